@@ -1,0 +1,1 @@
+"""Triton kernels of sgl-entropic, each beside the pure-torch reference it must equal."""

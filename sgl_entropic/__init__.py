@@ -1,0 +1,3 @@
+"""Entropic-time inference for SGLang."""
+
+__version__ = "0.1.0"

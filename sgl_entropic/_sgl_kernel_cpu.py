@@ -1,0 +1,41 @@
+"""Pure-torch stand-in for `sgl_kernel`, served only where the real one cannot be found (CPU).
+
+SGLang's CPU path imports a few `*_cpu` ops from `sgl_kernel` at module import time; the CPU
+build of sgl_kernel is compiled from source only. A dense Llama model on CPU calls just
+`assign_req_to_token_pool_cpu`; every other name imports fine and raises if it is called.
+"""
+
+import torch
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """req_to_token[req, start:end] = the request's consecutive slice of out_cache_loc."""
+    del pool_len  # the row length is implied by req_to_token's shape
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    offset = 0
+    for row, start, end in zip(req_pool_indices.tolist(), starts, ends):
+        n = end - start
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
+        offset += n
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not available: this process uses sgl-entropic's CPU stand-in "
+            "for sgl_kernel (the real package is not importable here)"
+        )
+
+    unavailable.__name__ = name
+    return unavailable

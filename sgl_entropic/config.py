@@ -1,0 +1,183 @@
+"""The one configuration model of sgl-entropic.
+
+Server-wide values come from the launcher (`--entropic`, `--entropic-config`); a request may
+override the sampling section with `sampling_params.custom_params.entropic = {...}`.
+Every value is validated here, at the edge: unknown keys, NaN/inf, wrong types and
+inconsistent bounds are errors that name the field, never silent clamps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Mode = Literal["off", "sampling", "scheduling", "pruning", "full"]
+MODES: tuple[str, ...] = ("off", "sampling", "scheduling", "pruning", "full")
+
+# The environment variable that carries the validated server config into every SGLang process
+# (the scheduler and detokenizer are spawned, so they inherit the launcher's environment).
+CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class SignalConfig(_Section):
+    """The entropy sensor that all three loops read."""
+
+    top_k: int = Field(64, ge=1, le=4096, description="k of the truncated estimator and its tail bounds")
+
+
+class SamplingConfig(_Section):
+    """Micro loop: T_{t+1} = clip(T_t * exp(-eta * (H_t - H*)), t_min, t_max).
+
+    Entropies are in nats, measured on the full temperature-scaled distribution
+    (after penalties and grammar masks, before top-k/top-p/min-p truncation).
+    """
+
+    controller: Literal["entropic", "mirostat_v2"] = "entropic"
+    target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
+    eta: Optional[float] = Field(
+        None, gt=0.0, le=10.0, description="gain; default 0.5 (entropic) or 0.1 (mirostat_v2)"
+    )
+    t_init: Optional[float] = Field(
+        None, gt=0.0, le=100.0, description="start temperature; default: the request's temperature"
+    )
+    t_min: float = Field(0.1, gt=0.0, le=100.0)
+    t_max: float = Field(2.0, gt=0.0, le=100.0)
+    entropy_floor: float = Field(
+        0.05, ge=0.0, le=20.0, description="below this H (nats) the step is forced: T is not updated"
+    )
+    warmup: int = Field(1, ge=0, le=10_000, description="first steps sampled at t_init, no update")
+    tau: float = Field(5.0, gt=0.0, le=100.0, description="mirostat_v2 target surprise, in bits")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "SamplingConfig":
+        if self.t_min > self.t_max:
+            raise ValueError(f"t_min ({self.t_min}) must be <= t_max ({self.t_max})")
+        if self.t_init is not None and not self.t_min <= self.t_init <= self.t_max:
+            raise ValueError(f"t_init ({self.t_init}) must lie in [t_min, t_max] = [{self.t_min}, {self.t_max}]")
+        return self
+
+    @property
+    def gain(self) -> float:
+        if self.eta is not None:
+            return self.eta
+        return 0.5 if self.controller == "entropic" else 0.1
+
+
+class SchedulingConfig(_Section):
+    """Macro loop: pi(s) = E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s), with aging."""
+
+    alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of next-step compute")
+    beta: float = Field(1.0, ge=0.0, le=1e6, description="weight of KV pages held")
+    gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of latency risk")
+    gain_ema: float = Field(0.8, ge=0.0, lt=1.0, description="EMA decay of observed entropy drops")
+    latency_target_s: float = Field(10.0, gt=0.0, le=1e6)
+    decode_budget: Optional[int] = Field(None, ge=1, le=100_000, description="max requests decoded per step")
+    max_skip_steps: int = Field(4, ge=1, le=10_000, description="a running request decodes at least every N steps")
+
+    @model_validator(mode="after")
+    def _weights(self) -> "SchedulingConfig":
+        if self.alpha + self.beta + self.gamma == 0.0:
+            raise ValueError("at least one of alpha, beta, gamma must be > 0")
+        return self
+
+
+class PruningConfig(_Section):
+    """Meso loop: keep KV page b when I_b >= theta_t, with sink/recent guards."""
+
+    page_size: int = Field(16, ge=1, le=1024)
+    sink_blocks: int = Field(1, ge=0, le=1024)
+    recent_blocks: int = Field(2, ge=1, le=1024)
+    min_keep_ratio: float = Field(0.25, gt=0.0, le=1.0)
+    max_keep_ratio: float = Field(1.0, gt=0.0, le=1.0)
+    entropy_floor: float = Field(0.0, ge=0.0, le=20.0)
+    min_context: int = Field(1024, ge=0, le=10_000_000)
+    dense_layers: int = Field(0, ge=0, le=1024)
+
+    @model_validator(mode="after")
+    def _ratios(self) -> "PruningConfig":
+        if self.min_keep_ratio > self.max_keep_ratio:
+            raise ValueError(
+                f"min_keep_ratio ({self.min_keep_ratio}) must be <= max_keep_ratio ({self.max_keep_ratio})"
+            )
+        return self
+
+
+class EntropicConfig(_Section):
+    mode: Mode = "full"
+    signal: SignalConfig = SignalConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    scheduling: SchedulingConfig = SchedulingConfig()
+    pruning: PruningConfig = PruningConfig()
+
+    @property
+    def sampling_on(self) -> bool:
+        return self.mode in ("sampling", "full")
+
+    @property
+    def scheduling_on(self) -> bool:
+        return self.mode in ("scheduling", "full")
+
+    @property
+    def pruning_on(self) -> bool:
+        return self.mode in ("pruning", "full")
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_env(cls) -> Optional["EntropicConfig"]:
+        """The server config, or None when this process was not started by our launcher."""
+        raw = os.environ.get(CONFIG_ENV)
+        return None if raw is None else cls.model_validate_json(raw)
+
+
+def format_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the field by its dotted path."""
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        lines.append(f"{field or '<root>'}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def parse_config_arg(value: str) -> dict[str, Any]:
+    """`--entropic-config` takes inline JSON or a path to a JSON file."""
+    text = value.strip()
+    if not text.startswith("{"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"not inline JSON and not a file: {value!r}")
+        text = path.read_text()
+    data = json.loads(text, parse_constant=_reject_constant)
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object")
+    return data
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid number")
+
+
+def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingConfig:
+    """Merge a request's `custom_params.entropic` object over the server's sampling section.
+
+    Raises ValueError naming the field (the server turns it into HTTP 400).
+    """
+    if not isinstance(overrides, dict):
+        raise ValueError(f"custom_params.entropic must be a JSON object, got {type(overrides).__name__}")
+    for key, value in overrides.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"custom_params.entropic.{key}: must be a finite number")
+    try:
+        return SamplingConfig.model_validate({**server.model_dump(exclude_unset=True), **overrides})
+    except ValidationError as err:
+        raise ValueError(format_error(err, prefix="custom_params.entropic")) from None

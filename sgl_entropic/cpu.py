@@ -1,0 +1,66 @@
+"""CPU compatibility: the `sgl_kernel` stand-in and the environment SGLang needs on CPU.
+
+The stand-in is served by a finder appended to the END of `sys.meta_path`, so it is used only
+when no normal finder locates a real `sgl_kernel` (a GPU machine's wins). The finder is
+installed at interpreter start by a `.pth` file in site-packages, because SGLang spawns its
+scheduler and detokenizer processes and imports `sgl_kernel` in them before plugins load.
+
+    python -m sgl_entropic.cpu install    # write the .pth (scripts/setup.sh does this)
+    python -m sgl_entropic.cpu check      # say which sgl_kernel this interpreter gets
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+PTH_NAME = "sgl_entropic_cpu.pth"
+# One line, executed by site.py at every interpreter start; silent if the package is gone.
+PTH_LINE = (
+    "import importlib.util as _u; "
+    "_u.find_spec('sgl_entropic') and __import__('sgl_entropic._sgl_kernel_finder')"
+    "._sgl_kernel_finder.install()\n"
+)
+
+
+def pth_path() -> Path:
+    return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+
+
+def install_pth() -> Path:
+    path = pth_path()
+    if not path.is_file() or path.read_text() != PTH_LINE:
+        path.write_text(PTH_LINE)
+    return path
+
+
+def sgl_kernel_origin() -> str:
+    """'real' or 'stand-in', for the sgl_kernel this interpreter would import."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None:
+        return "missing"
+    return "stand-in" if spec.origin and spec.origin.endswith("_sgl_kernel_cpu.py") else "real"
+
+
+def apply_cpu_environment(device: str) -> None:
+    """SGLang on CPU needs its CPU engine (else the rotary embedding imports vllm)."""
+    if device == "cpu":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["install"]:
+        print(f"installed {install_pth()}")
+        return 0
+    if argv == ["check"]:
+        print(f"sgl_kernel: {sgl_kernel_origin()} (finder .pth: {'present' if pth_path().is_file() else 'absent'})")
+        return 0
+    print("usage: python -m sgl_entropic.cpu {install|check}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

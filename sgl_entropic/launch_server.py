@@ -1,0 +1,123 @@
+"""`python -m sgl_entropic.launch_server`: sglang.launch_server plus entropic decoding.
+
+Every `sglang.launch_server` flag passes through unchanged. Our own flags:
+  --entropic {off,sampling,scheduling,pruning,full}   which loops run (default: full)
+  --entropic-config JSON_OR_PATH                      values for the EntropicConfig model
+With no --model-path it serves the bundled SmolLM2-135M-Instruct with CPU-friendly defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from pydantic import ValidationError
+
+from sgl_entropic.config import CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
+
+# Applied only when the user did not pass the flag themselves.
+BUNDLED_MODEL_DEFAULTS = {
+    "--dtype": "bfloat16",
+    "--max-total-tokens": "65536",  # the default KV pool takes ~17 GB of RAM on CPU
+    "--chat-template": "chatml",  # not auto-detected for a local folder
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_entropic.launch_server",
+        description="SGLang server with entropic-time decoding. All sglang.launch_server flags are accepted.",
+        add_help=False,  # --help falls through to SGLang's parser after ours is shown
+    )
+    parser.add_argument("--entropic", choices=MODES, default=None, help="which control loops run (default: full)")
+    parser.add_argument("--entropic-config", default=None, metavar="JSON_OR_PATH", help="EntropicConfig as JSON or a JSON file")
+    return parser
+
+
+def build_config(mode: Optional[str], config_arg: Optional[str], parser: argparse.ArgumentParser) -> EntropicConfig:
+    """Validate our flags; any problem exits with code 2 and names the flag."""
+    data: dict = {}
+    if config_arg is not None:
+        try:
+            data = parse_config_arg(config_arg)
+        except ValueError as err:
+            parser.error(f"--entropic-config: {err}")
+    if mode is not None:
+        if "mode" in data and data["mode"] != mode:
+            parser.error(f"--entropic {mode} contradicts --entropic-config mode {data['mode']!r}")
+        data["mode"] = mode
+    try:
+        return EntropicConfig.model_validate(data)
+    except ValidationError as err:
+        parser.error(f"--entropic-config: {format_error(err)}")
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _flag_value(argv: list[str], flag: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def sglang_argv(rest: list[str]) -> list[str]:
+    """Fill in the bundled model and the device; never override what the user passed."""
+    argv = list(rest)
+    if not _has_flag(argv, "--model-path"):
+        from sgl_entropic.model import prepare_bundled_model
+
+        argv += ["--model-path", str(prepare_bundled_model())]
+        for flag, value in BUNDLED_MODEL_DEFAULTS.items():
+            if not _has_flag(argv, flag):
+                argv += [flag, value]
+    if not _has_flag(argv, "--device"):
+        import torch
+
+        if not torch.cuda.is_available():
+            argv += ["--device", "cpu"]
+    return argv
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        print("\nSGLang's own flags follow.\n")
+    own, rest = parser.parse_known_args(argv)
+    config = build_config(own.entropic, own.entropic_config, parser)
+    # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
+    os.environ[CONFIG_ENV] = config.to_env()
+
+    rest = sglang_argv(rest)
+    from sgl_entropic.cpu import apply_cpu_environment
+
+    apply_cpu_environment(_flag_value(rest, "--device") or "cuda")
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()  # before SGLang's argparse, so plugin-registered choices are accepted
+    server_args = prepare_server_args(rest)
+    print(
+        f"sgl-entropic: mode={config.mode}, model={server_args.model_path}, "
+        f"listening on http://{server_args.host}:{server_args.port}",
+        flush=True,
+    )
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

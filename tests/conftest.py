@@ -1,0 +1,96 @@
+"""One real SGLang server (our launcher, bundled model, fp32) shared by the whole test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path):
+        self.url, self.proc, self.log = url, proc, log
+
+    def post(self, path: str, payload: dict, timeout: float = 300) -> requests.Response:
+        return requests.post(self.url + path, json=payload, timeout=timeout)
+
+    def get(self, path: str, timeout: float = 30) -> requests.Response:
+        return requests.get(self.url + path, timeout=timeout)
+
+    def generate(self, payload: dict) -> dict:
+        r = self.post("/generate", payload)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def start_server(extra_args: list[str], log: Path) -> Server:
+    port = _free_port()
+    # fp32 so that logprobs and entropies can be compared with transformers to 1e-3.
+    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--port", str(port), "--dtype", "float32", *extra_args]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return Server(url, proc, log)
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(["--entropic", "full"], log)
+    yield srv
+    stop_server(srv.proc)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from sgl_entropic.model import prepare_bundled_model
+
+    return prepare_bundled_model()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """Plain transformers on the same fp32 weights: the reference for numerical checks."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_path)

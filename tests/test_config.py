@@ -1,0 +1,77 @@
+"""The one config model: validated at the edge, errors name the field, nothing silently clamped."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from sgl_entropic.config import (
+    EntropicConfig,
+    SamplingConfig,
+    format_error,
+    parse_config_arg,
+    request_sampling_config,
+)
+
+
+def test_defaults_round_trip_through_the_environment(monkeypatch):
+    cfg = EntropicConfig.model_validate({"mode": "sampling", "sampling": {"target_entropy": 1.5}})
+    monkeypatch.setenv("SGLANG_ENTROPIC_CONFIG", cfg.to_env())
+    assert EntropicConfig.from_env() == cfg
+    assert cfg.sampling_on and not cfg.pruning_on and not cfg.scheduling_on
+
+
+def test_from_env_is_none_without_our_launcher(monkeypatch):
+    monkeypatch.delenv("SGLANG_ENTROPIC_CONFIG", raising=False)
+    assert EntropicConfig.from_env() is None
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"sampling": {"eta": 0}}, "sampling.eta"),
+        ({"sampling": {"eta": float("inf")}}, "sampling.eta"),
+        ({"sampling": {"target_entropy": "high"}}, "sampling.target_entropy"),
+        ({"sampling": {"t_min": 2.0, "t_max": 1.0}}, "sampling"),
+        ({"pruning": {"min_keep_ratio": 0.9, "max_keep_ratio": 0.5}}, "pruning"),
+        ({"scheduling": {"alpha": 0, "beta": 0, "gamma": 0}}, "scheduling"),
+        ({"mode": "turbo"}, "mode"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_bad_values_name_the_field(data, field):
+    with pytest.raises(ValidationError) as err:
+        EntropicConfig.model_validate(data)
+    assert format_error(err.value).startswith(field)
+
+
+def test_request_overrides_merge_over_server_values():
+    server = SamplingConfig(target_entropy=1.0, t_max=3.0)
+    merged = request_sampling_config(server, {"eta": 0.2})
+    assert (merged.target_entropy, merged.t_max, merged.eta) == (1.0, 3.0, 0.2)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"eta": -1}, "custom_params.entropic.eta"),
+        ({"eta": float("nan")}, "custom_params.entropic.eta"),
+        ({"t_init": 5.0}, "t_init"),
+        ({"unknown": 1}, "custom_params.entropic.unknown"),
+        ({"controller": "greedy"}, "custom_params.entropic.controller"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_bad_request_overrides_raise_value_error(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        request_sampling_config(SamplingConfig(), overrides)
+    assert needle in str(err.value)
+
+
+def test_config_arg_takes_inline_json_or_a_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"mode": "off"}))
+    assert parse_config_arg(str(path)) == {"mode": "off"}
+    assert parse_config_arg('{"mode": "full"}') == {"mode": "full"}
+    with pytest.raises(ValueError):
+        parse_config_arg('{"x": Infinity}')

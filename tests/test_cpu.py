@@ -1,0 +1,47 @@
+"""The sgl_kernel stand-in: served only when no real sgl_kernel exists, correct where it is used."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from sgl_entropic._sgl_kernel_cpu import assign_req_to_token_pool_cpu
+
+
+def _run(code: str, extra_path: str | None = None) -> str:
+    env = dict(os.environ)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_stand_in_is_served_in_a_fresh_interpreter():
+    # A fresh interpreter, like SGLang's spawned scheduler: the .pth installs the finder.
+    assert _run("import sgl_kernel; print(sgl_kernel.__file__)").endswith("_sgl_kernel_cpu.py")
+
+
+def test_real_sgl_kernel_wins(tmp_path):
+    (tmp_path / "sgl_kernel").mkdir()
+    (tmp_path / "sgl_kernel" / "__init__.py").write_text("REAL = True\n")
+    assert _run("import sgl_kernel; print(sgl_kernel.REAL)", extra_path=str(tmp_path)) == "True"
+
+
+def test_other_names_import_but_refuse_to_run():
+    out = _run(
+        "from sgl_kernel import copy_all_layer_kv_cache_cpu as f\n"
+        "try:\n    f()\nexcept NotImplementedError as e:\n    print('refused:', e)"
+    )
+    assert out.startswith("refused: sgl_kernel.copy_all_layer_kv_cache_cpu")
+
+
+def test_assign_req_to_token_pool_matches_reference():
+    req_to_token = torch.zeros(4, 10, dtype=torch.int32)
+    req_pool_indices = torch.tensor([2, 0])
+    start, end = torch.tensor([3, 0]), torch.tensor([6, 2])
+    out_cache_loc = torch.tensor([11, 12, 13, 21, 22])
+    assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start, end, out_cache_loc, 10)
+    expected = torch.zeros(4, 10, dtype=torch.int32)
+    expected[2, 3:6] = torch.tensor([11, 12, 13], dtype=torch.int32)
+    expected[0, 0:2] = torch.tensor([21, 22], dtype=torch.int32)
+    assert torch.equal(req_to_token, expected)

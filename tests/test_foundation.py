@@ -1,0 +1,75 @@
+"""The foundation on the real runtime: plugin in the scheduler, /generate, fp32 parity, launcher flags."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The three primary colors are"
+
+
+def test_plugin_reports_itself_from_the_scheduler(server):
+    info = server.get("/server_info").json()
+    entropic = info["entropic"]
+    assert entropic["plugin_loaded_in_scheduler"] is True
+    assert entropic["hooks_applied"] is True, entropic["hooks_missing"]
+    assert entropic["mode"] == "full"
+    assert entropic["config"]["sampling"]["target_entropy"] == 2.0
+
+
+def test_generate_works(server):
+    out = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert out["meta_info"]["completion_tokens"] == 8
+    assert isinstance(out["text"], str) and out["text"].strip()
+
+
+def test_top5_logprobs_match_transformers(server, hf_model):
+    model, tokenizer = hf_model
+    out = server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 5,
+        }
+    )
+    served = {tok: lp for lp, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+    top = torch.topk(logprobs, 5)
+    reference = dict(zip(top.indices.tolist(), top.values.tolist()))
+
+    assert served.keys() == reference.keys()
+    for tok, lp in reference.items():
+        assert abs(served[tok] - lp) < 1e-3, (tok, served[tok], lp)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--entropic", "fastest"], "--entropic"),
+        (["--entropic-config", '{"sampling": {"eta": -1}}'], "sampling.eta"),
+        (["--entropic-config", '{"sampling": {"t_min": 3, "t_max": 1}}'], "t_min"),
+        (["--entropic-config", '{"bogus": 1}'], "bogus"),
+        (["--entropic-config", '{"sampling": {"eta": NaN}}'], "NaN"),
+        (["--entropic-config", "/no/such/file.json"], "not inline JSON and not a file"),
+        (["--entropic", "off", "--entropic-config", '{"mode": "full"}'], "contradicts"),
+    ],
+)
+def test_launcher_rejects_bad_flags(args, needle):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_entropic.launch_server", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr, proc.stderr
