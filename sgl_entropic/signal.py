@@ -1,0 +1,255 @@
+"""The entropy sensor: per-row Shannon entropy of next-token logits, and entropic time.
+
+Every entropy here is in nats and computed in float32 whatever the logits dtype. A batch of
+logits is a tensor `[B, V]`; masked vocabulary entries are `-inf` and carry probability 0.
+
+This module imports torch only (never sglang), so every loop of the plugin and every test can
+read the sensor without a server.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class TopKEntropy(NamedTuple):
+    """Truncated top-k entropy and the interval that must contain the exact entropy, each `[B]`."""
+
+    truncated: torch.Tensor
+    lower: torch.Tensor
+    upper: torch.Tensor
+
+
+class TokenStats(NamedTuple):
+    """Per-row stats of softmax(logits * inv_temperature) and of the row's token, each `[B]`."""
+
+    entropy: torch.Tensor
+    surprisal: torch.Tensor
+    lse: torch.Tensor
+    valid: torch.Tensor
+
+
+def _entropy_and_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and log-sum-exp of float32 rows `x`, shifted by the row max m for stability.
+
+    With u_i = x_i - m, s = sum_i e^{u_i} and t = sum_i e^{u_i} u_i:
+    lse = m + ln s and H = lse - sum_i p_i x_i = ln s - t / s.
+    Entries with e^{u_i} = 0 (masked, or underflowed) are left out of t, so that
+    0 * (-inf) never turns into NaN.
+    """
+    row_max = x.amax(dim=-1, keepdim=True)
+    shifted = x - row_max
+    weights = shifted.exp()
+    s = weights.sum(dim=-1)
+    t = torch.where(weights > 0, weights * shifted, 0.0).sum(dim=-1)
+    log_s = s.log()
+    # H >= 0 exactly; rounding of ln s - t/s may dip a few ulps below.
+    return (log_s - t / s).clamp_min(0.0), row_max.squeeze(-1) + log_s
+
+
+def entropy_exact(logits: torch.Tensor) -> torch.Tensor:
+    """Exact Shannon entropy H = -sum_i p_i ln p_i of softmax(logits) per row, `[B]` float32.
+
+    Computed in the streaming form H = lse - sum_i p_i z_i, so ln p of a masked entry is never
+    formed: `-inf` entries contribute 0, and a row with exactly one finite entry has H = 0.
+    A row with no finite entry, or with NaN or +inf, has no distribution and gives NaN;
+    `token_stats` is the guarded variant that flags such rows instead.
+    """
+    return _entropy_and_lse(logits.float())[0]
+
+
+def entropy_topk(logits: torch.Tensor, k: int) -> TopKEntropy:
+    """Entropy from the k most likely tokens only, with bounds on the exact entropy.
+
+    Let p_1 >= ... >= p_k be the top-k probabilities (normalised over the whole vocabulary),
+    r = 1 - sum_{i<=k} p_i the tail mass, and n = V - k the tail size, V counting only the
+    finite entries of the row. Splitting H = H_k + T with H_k = -sum_{i<=k} p_i ln p_i and the
+    tail term T = sum_{tail} p_i ln(1/p_i):
+      - every tail p_i <= p_k, so T >= sum_{tail} p_i ln(1/p_k) = r ln(1/p_k)   (lower);
+      - T = r ln(1/r) + r * H(tail / r) and H(tail / r) <= ln n, so T <= r ln(n / r)  (upper).
+    Hence H_k + r ln(1/p_k) <= H <= H_k + r ln(n / r). When r = 0 or n <= 0 both bounds are
+    H_k, which is then exact (k >= V gives equality). `k` larger than V is clamped to V;
+    rows without a distribution give NaN, as in `entropy_exact`.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    top_logits, top_index = x.topk(min(k, x.shape[-1]), dim=-1)
+    top_log_probs = top_logits - lse[:, None]
+    top_probs = top_log_probs.exp()
+    # Masked top entries (fewer finite entries than k) add 0; NaN still propagates.
+    truncated = torch.where(
+        top_log_probs == float("-inf"), 0.0, -top_probs * top_log_probs
+    ).sum(dim=-1)
+
+    # The tail's own log-sum-exp gives ln r without the cancellation of 1 - sum(top_probs).
+    tail_lse = torch.logsumexp(x.scatter(-1, top_index, float("-inf")), dim=-1)
+    log_tail_mass = tail_lse - lse
+    tail_mass = log_tail_mass.exp()
+    tail_size = torch.isfinite(x).sum(dim=-1) - top_logits.shape[-1]
+    has_tail = (tail_mass > 0) & (tail_size > 0)
+
+    log_inv_pk = lse - top_logits[:, -1]
+    lower = truncated + torch.where(has_tail, tail_mass * log_inv_pk, 0.0)
+    upper = truncated + torch.where(
+        has_tail, tail_mass * (tail_size.float().log() - log_tail_mass), 0.0
+    )
+    return TopKEntropy(truncated, lower, upper)
+
+
+def token_stats_reference(
+    logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None
+) -> TokenStats:
+    """Pure-torch stats of softmax(x), x = logits * inv_temperature[:, None], and of each token.
+
+    entropy = H(softmax(x)), lse = ln sum_i e^{x_i}, surprisal = lse - x[token] = -ln p(token),
+    all float32 `[B]`; `inv_temperature` is `[B]` (default all 1).
+
+    Robustness contract: a row is valid=False, and gets entropy = surprisal = lse = 0.0, when
+    x contains NaN or +inf, when it has no finite entry, when its inverse temperature is not
+    finite and > 0, or when its token is out of range or masked (-inf): a sampled token is
+    never masked in practice, and an infinite surprisal would not survive JSON. No input
+    raises and no output is NaN. The Triton kernel `token_stats_triton` must equal this.
+    """
+    batch, vocab = logits.shape
+    inv_t = (
+        torch.ones(batch, device=logits.device)
+        if inv_temperature is None
+        else inv_temperature.to(device=logits.device, dtype=torch.float32)
+    )
+    x = logits.float() * inv_t[:, None]
+    tokens = token_ids.to(device=logits.device, dtype=torch.long)
+    token_in_range = (tokens >= 0) & (tokens < vocab)
+    if vocab == 0:
+        zeros = torch.zeros(batch, device=logits.device)
+        return TokenStats(zeros, zeros.clone(), zeros.clone(), torch.zeros_like(token_in_range))
+    token_logit = x.gather(1, tokens.clamp(0, vocab - 1)[:, None]).squeeze(1)
+    has_bad_entry = (torch.isnan(x) | (x == float("inf"))).any(dim=-1)
+    valid = (
+        (inv_t > 0)
+        & (inv_t < float("inf"))
+        & token_in_range
+        & ~has_bad_entry
+        # A finite token logit also proves the row has a finite entry.
+        & (token_logit > float("-inf"))
+    )
+    # Invalid rows become all-zero rows so that the math below stays NaN-free.
+    x = torch.where(valid[:, None], x, 0.0)
+    entropy, lse = _entropy_and_lse(x)
+    surprisal = lse - torch.where(valid, token_logit, 0.0)
+    return TokenStats(
+        torch.where(valid, entropy, 0.0),
+        torch.where(valid, surprisal, 0.0),
+        torch.where(valid, lse, 0.0),
+        valid,
+    )
+
+
+@functools.cache
+def _triton_usable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def token_stats(
+    logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None
+) -> TokenStats:
+    """`token_stats_reference`'s result: by the one-pass Triton kernel on CUDA, else by torch."""
+    if logits.is_cuda and _triton_usable():
+        from sgl_entropic.kernels.entropy import token_stats_triton
+
+        return token_stats_triton(logits, token_ids, inv_temperature)
+    return token_stats_reference(logits, token_ids, inv_temperature)
+
+
+@dataclass
+class ModelDims:
+    """The shape numbers that price one decode step of a decoder-only transformer."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_flops_per_token: float
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelDims":
+        """Dims of a Llama-style model from its Hugging Face config.
+
+        With hidden size d, intermediate size f, h_q query heads, h_kv key/value heads of
+        dimension h_d, L layers and vocabulary size n_vocab, the matmul parameters are
+          per layer: q and o projections 2 * d * h_q * h_d, k and v projections
+                     2 * d * h_kv * h_d, gate/up/down MLP matrices 3 * d * f;
+          lm head:   d * n_vocab  (the input embedding is a lookup, not a matmul).
+        dense_flops_per_token = 2 * (L * per_layer + lm_head): 2 FLOPs per multiply-add.
+        Norms, biases and activations are ignored (lower order).
+        """
+        hidden = cfg.hidden_size
+        q_heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // q_heads
+        per_layer = (
+            2 * hidden * q_heads * head_dim
+            + 2 * hidden * kv_heads * head_dim
+            + 3 * hidden * cfg.intermediate_size
+        )
+        lm_head = hidden * cfg.vocab_size
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dense_flops_per_token=2.0 * (cfg.num_hidden_layers * per_layer + lm_head),
+        )
+
+
+def step_cost(dims: ModelDims, attended_tokens: int) -> float:
+    """FLOPs of one decode step of one request: the cost C of the paper.
+
+    C = dense_flops_per_token + 4 * L * h_q * h_d * attended_tokens, the second term being
+    QK^T and PV (h_q * h_d multiply-adds each per attended token and layer, 2 FLOPs per
+    multiply-add). attended_tokens is the context length, or the kept tokens under KV pruning.
+    """
+    attention_flops_per_token = 4.0 * dims.num_layers * dims.num_q_heads * dims.head_dim
+    return dims.dense_flops_per_token + attention_flops_per_token * attended_tokens
+
+
+@dataclass
+class EntropyTrace:
+    """Per-request record of the sensor, one `record` per decode step.
+
+    Entropic time is the uncertainty resolved so far, tau = sum_t max(0, H_{t-1} - H_t),
+    and cost is the summed step cost in FLOPs. With keep_lists=False only tau, cost and
+    last_entropy are kept (cheap mode for long generations).
+    """
+
+    entropy: list[float] = field(default_factory=list)
+    surprisal: list[float] = field(default_factory=list)
+    tau: float = 0.0
+    cost: float = 0.0
+    last_entropy: Optional[float] = None
+    keep_lists: bool = True
+
+    def record(self, h: float, s: float, cost: float) -> float:
+        """Add one step's entropy h, surprisal s and cost; return its tau increment."""
+        d_tau = 0.0 if self.last_entropy is None else max(0.0, self.last_entropy - h)
+        self.tau += d_tau
+        self.cost += cost
+        self.last_entropy = h
+        if self.keep_lists:
+            self.entropy.append(h)
+            self.surprisal.append(s)
+        return d_tau
+
+    @property
+    def efficiency(self) -> float:
+        """Entropic time per compute, tau / (cost / 1e9), in nats per GFLOP; 0.0 before any cost."""
+        return self.tau / (self.cost / 1e9) if self.cost > 0 else 0.0

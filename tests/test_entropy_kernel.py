@@ -1,0 +1,103 @@
+"""The one-pass Triton token-stats kernel equals sgl_entropic.signal.token_stats_reference.
+
+On CPU the kernel runs under the Triton interpreter. TRITON_INTERPRET=1 must be set before
+triton is imported, and this pytest process may already have imported it, so the CPU test
+runs this file as a script in a fresh interpreter process.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sgl_entropic.signal import token_stats, token_stats_reference
+
+NEG_INF = float("-inf")
+
+
+def edge_case_batch(vocab: int, dtype: torch.dtype, device: str = "cpu"):
+    """Rows that stress the kernel: masks, NaN, +inf, one finite entry, large logits, bad tokens."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator) * 3.0
+    logits[0, ::7] = NEG_INF  # masked entries, the row max in a late chunk
+    logits[0, vocab - 2] = 12.0
+    logits[1, vocab // 2] = float("nan")
+    logits[2] = NEG_INF
+    logits[2, vocab - 1] = 2.0  # a single allowed token, in the last (partial) chunk
+    logits[3] *= 10.0  # large logits: cancellation would show here
+    logits[4, 3] = float("inf")
+    logits[5] = NEG_INF
+    logits[6, 9] = NEG_INF  # the token itself is masked
+    tokens = torch.tensor([1, 0, vocab - 1, 5, 0, 0, 9, vocab])  # the last is out of range
+    inv_temperature = torch.tensor([1 / 0.7, 1.0, 1 / 1.3, 2.0, 1.0, 1.0, 1.0, 1.0])
+    valid = [True, False, True, True, False, False, False, False]
+    logits = logits.to(device=device, dtype=dtype)
+    return logits, tokens.to(device), inv_temperature.to(device), valid
+
+
+def assert_matches_reference(logits, tokens, inv_temperature, **kernel_options):
+    from sgl_entropic.kernels.entropy import token_stats_triton
+
+    got = token_stats_triton(logits, tokens, inv_temperature, **kernel_options)
+    want = token_stats_reference(logits, tokens, inv_temperature)
+    assert torch.equal(got.valid, want.valid)
+    for name in ("entropy", "surprisal", "lse"):
+        torch.testing.assert_close(
+            getattr(got, name),
+            getattr(want, name),
+            atol=1e-4,
+            rtol=1e-5,
+            msg=lambda message: f"{name}: {message}",
+        )
+    return got
+
+
+def check_under_interpreter() -> None:
+    for vocab in (1000, 3001):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            logits, tokens, inv_temperature, valid = edge_case_batch(vocab, dtype)
+            # 256 splits the row into several chunks, the last one partial; None is the default.
+            for block_v in (256, None):
+                got = assert_matches_reference(logits, tokens, inv_temperature, block_v=block_v)
+                assert got.valid.tolist() == valid
+            # Default temperature, and a strided (non-contiguous) batch view.
+            assert_matches_reference(logits[::2], tokens[::2], None, block_v=256)
+
+
+def test_kernel_matches_reference_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [49152, 152064])
+@pytest.mark.parametrize("batch", [1, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_matches_reference_on_gpu(vocab, batch, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(batch)
+    logits = torch.randn(batch, vocab, device="cuda", generator=generator) * 4.0
+    logits[:, ::11] = NEG_INF
+    tokens = logits.argmax(dim=-1)
+    inv_temperature = 0.5 + torch.rand(batch, device="cuda", generator=generator)
+    if batch > 1:
+        logits[1, 7] = float("nan")
+    logits = logits.to(dtype)
+    got = assert_matches_reference(logits, tokens, inv_temperature)
+    assert got.valid.sum().item() == batch - (batch > 1)
+    # The public entry point dispatches to the kernel on CUDA.
+    assert torch.equal(token_stats(logits, tokens, inv_temperature).entropy, got.entropy)
+
+    edge_logits, edge_tokens, edge_inv_temperature, valid = edge_case_batch(vocab, dtype, "cuda")
+    edge = assert_matches_reference(edge_logits, edge_tokens, edge_inv_temperature)
+    assert edge.valid.tolist() == valid
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through the pytest test above"
+    check_under_interpreter()

@@ -1,0 +1,256 @@
+"""The entropy sensor: exact and top-k entropies, guarded token stats, entropic time and cost."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from sgl_entropic.signal import (
+    EntropyTrace,
+    ModelDims,
+    entropy_exact,
+    entropy_topk,
+    step_cost,
+    token_stats,
+    token_stats_reference,
+)
+
+TOL = 1e-4
+NEG_INF = float("-inf")
+# Local, not a loaded profile: a profile would change every other module's hypothesis settings.
+PROPERTY = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def masked_logits(draw, max_batch=4, max_vocab=40):
+    """float32 logits `[B, V]` with some -inf entries, every row keeping >= 1 finite entry."""
+    batch = draw(st.integers(1, max_batch))
+    vocab = draw(st.integers(1, max_vocab))
+    values = draw(arrays(np.float32, (batch, vocab), elements=st.floats(-30, 30, width=32)))
+    masked = draw(arrays(np.bool_, (batch, vocab)))
+    kept = draw(arrays(np.int64, (batch,), elements=st.integers(0, vocab - 1)))
+    masked[np.arange(batch), kept] = False
+    return torch.from_numpy(np.where(masked, np.float32(NEG_INF), values))
+
+
+def scipy_entropy(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits.double(), dim=-1).numpy()
+    return torch.from_numpy(scipy.stats.entropy(probs, axis=-1))
+
+
+@PROPERTY
+@given(masked_logits(), st.integers(1, 42))
+def test_topk_bounds_bracket_exact_entropy(logits, k):
+    exact = entropy_exact(logits)
+    truncated, lower, upper = entropy_topk(logits, k)
+    assert (truncated <= lower + TOL).all()
+    assert (lower <= exact + TOL).all()
+    assert (exact <= upper + TOL).all()
+
+
+@PROPERTY
+@given(masked_logits())
+def test_topk_is_exact_when_k_covers_vocabulary(logits):
+    exact = entropy_exact(logits)
+    for k in (logits.shape[-1], logits.shape[-1] + 3):
+        for estimate in entropy_topk(logits, k):
+            torch.testing.assert_close(estimate, exact, atol=TOL, rtol=0)
+
+
+def test_topk_bounds_ignore_masked_entries_in_tail_size():
+    # Two finite tail tokens: r ln((V - k) / r) must use V = 3 finite entries, not 6.
+    logits = torch.tensor([[2.0, 0.0, 0.0, NEG_INF, NEG_INF, NEG_INF]])
+    probs = torch.softmax(logits[:, :3].double(), dim=-1)[0]
+    tail_mass = probs[1:].sum()
+    expected_upper = -probs[0] * probs[0].log() + tail_mass * torch.log(2 / tail_mass)
+    torch.testing.assert_close(entropy_topk(logits, 1).upper, expected_upper[None].float())
+    # A uniform tail attains the upper bound.
+    torch.testing.assert_close(entropy_topk(logits, 1).upper, entropy_exact(logits))
+
+
+def test_topk_rejects_nonpositive_k():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        entropy_topk(torch.zeros(1, 4), 0)
+
+
+@PROPERTY
+@given(masked_logits(), st.floats(-100, 100))
+def test_exact_entropy_is_shift_invariant(logits, shift):
+    shifted = entropy_exact(logits + shift)
+    torch.testing.assert_close(shifted, entropy_exact(logits), atol=TOL, rtol=0)
+
+
+@PROPERTY
+@given(masked_logits())
+def test_exact_entropy_matches_scipy(logits):
+    exact = entropy_exact(logits).double()
+    torch.testing.assert_close(exact, scipy_entropy(logits), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_entropy_computes_in_float32(dtype):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(dtype)
+    entropy = entropy_exact(logits)
+    assert entropy.dtype == torch.float32
+    torch.testing.assert_close(entropy, entropy_exact(logits.float()))
+
+
+def test_masked_entries_contribute_nothing_and_single_token_rows_are_certain():
+    logits = torch.tensor(
+        [
+            [1.0, NEG_INF, 1.0, NEG_INF],
+            [NEG_INF, 5.0, NEG_INF, NEG_INF],
+        ]
+    )
+    expected = torch.tensor([math.log(2.0), 0.0])
+    torch.testing.assert_close(entropy_exact(logits), expected)
+    stats = token_stats_reference(logits, torch.tensor([0, 1]))
+    torch.testing.assert_close(stats.entropy, expected)
+    torch.testing.assert_close(stats.surprisal, torch.tensor([math.log(2.0), 0.0]))
+    assert stats.valid.all()
+    assert not torch.isnan(stats.entropy).any()
+
+
+def test_unguarded_entropies_give_nan_without_a_distribution():
+    logits = torch.tensor([[float("nan"), 1.0], [float("inf"), 1.0], [NEG_INF, NEG_INF]])
+    assert torch.isnan(entropy_exact(logits)).all()
+    for estimate in entropy_topk(logits, 1):
+        assert torch.isnan(estimate).all()
+
+
+def test_invalid_rows_are_flagged_and_zeroed():
+    good = torch.tensor([0.5, 1.5, -1.0, 0.0])
+    rows = {
+        "nan": torch.tensor([0.5, float("nan"), -1.0, 0.0]),
+        "pos_inf": torch.tensor([0.5, float("inf"), -1.0, 0.0]),
+        "all_masked": torch.full((4,), NEG_INF),
+        "masked_token": torch.tensor([NEG_INF, 1.5, -1.0, 0.0]),
+        "token_out_of_range": good,
+        "zero_inv_temperature": good,
+        "good": good,
+    }
+    tokens = torch.tensor([0, 0, 0, 0, 4, 1, 1])
+    inv_t = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    stats = token_stats_reference(torch.stack(list(rows.values())), tokens, inv_t)
+    assert stats.valid.tolist() == [False] * 6 + [True]
+    for field in (stats.entropy, stats.surprisal, stats.lse):
+        assert torch.isfinite(field).all()
+        assert (field[:6] == 0).all()
+    torch.testing.assert_close(stats.entropy[6:], entropy_exact(good[None]))
+    torch.testing.assert_close(stats.surprisal[6], -torch.log_softmax(good, dim=-1)[1])
+
+
+def test_empty_vocabulary_is_invalid_not_an_error():
+    stats = token_stats_reference(torch.zeros(2, 0), torch.tensor([0, 0]))
+    assert not stats.valid.any()
+    assert (stats.entropy == 0).all()
+
+
+@PROPERTY
+@given(masked_logits(), st.data())
+def test_token_stats_temperature_matches_scaled_logits(logits, data):
+    batch, vocab = logits.shape
+    temperature = torch.tensor(
+        data.draw(st.lists(st.floats(0.1, 5.0), min_size=batch, max_size=batch)),
+        dtype=torch.float32,
+    )
+    # Tokens are drawn among each row's finite entries: the argmax always is one.
+    tokens = logits.argmax(dim=-1)
+    stats = token_stats(logits, tokens, 1.0 / temperature)
+    scaled = logits / temperature[:, None]
+    assert stats.valid.all()
+    torch.testing.assert_close(stats.entropy, entropy_exact(scaled), atol=TOL, rtol=1e-5)
+    torch.testing.assert_close(stats.lse, torch.logsumexp(scaled, dim=-1), atol=TOL, rtol=1e-5)
+    expected_surprisal = -torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(stats.surprisal, expected_surprisal, atol=TOL, rtol=1e-5)
+
+
+def test_token_stats_on_cpu_is_the_reference():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([3, 7])
+    for got, want in zip(token_stats(logits, tokens), token_stats_reference(logits, tokens)):
+        assert torch.equal(got, want)
+
+
+def test_entropy_trace_accumulates_entropic_time_and_cost():
+    trace = EntropyTrace()
+    increments = [trace.record(h, s, 1e9) for h, s in [(3, 0.1), (2, 0.2), (2.5, 0.3), (1, 0.4)]]
+    assert increments == [0.0, 1.0, 0.0, 1.5]
+    assert trace.tau == 2.5
+    assert trace.cost == 4e9
+    assert trace.efficiency == pytest.approx(2.5 / 4)
+    assert trace.entropy == [3, 2, 2.5, 1]
+    assert trace.surprisal == [0.1, 0.2, 0.3, 0.4]
+    assert trace.last_entropy == 1
+
+
+def test_entropy_trace_cheap_mode_keeps_totals_only():
+    trace = EntropyTrace(keep_lists=False)
+    for h in [3, 2, 2.5, 1]:
+        trace.record(h, 0.0, 2e9)
+    assert (trace.entropy, trace.surprisal) == ([], [])
+    assert trace.tau == 2.5
+    assert trace.efficiency == pytest.approx(2.5 / 8)
+
+
+def test_entropy_trace_without_cost_has_zero_efficiency():
+    assert EntropyTrace().efficiency == 0.0
+
+
+def test_step_cost_adds_attention_over_attended_tokens():
+    dims = ModelDims(
+        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, dense_flops_per_token=1000.0
+    )
+    assert step_cost(dims, 0) == 1000.0
+    assert step_cost(dims, 100) == 1000.0 + 4 * 2 * 4 * 8 * 100
+
+
+def test_model_dims_from_llama_style_config():
+    cfg = SimpleNamespace(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=100,
+    )
+    dims = ModelDims.from_hf_config(cfg)
+    assert (dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim) == (2, 4, 2, 8)
+    # q, o: 32*32 each; k, v: 32*16 each; MLP: 3*32*64; lm head: 32*100.
+    per_layer = 2 * 1024 + 2 * 512 + 6144
+    assert dims.dense_flops_per_token == 2 * (2 * per_layer + 3200)
+
+
+def test_model_dims_explicit_head_dim_and_missing_kv_heads():
+    cfg = SimpleNamespace(
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        head_dim=16,
+        hidden_size=32,
+        intermediate_size=8,
+        vocab_size=10,
+    )
+    dims = ModelDims.from_hf_config(cfg)
+    assert (dims.num_kv_heads, dims.head_dim) == (4, 16)
+    assert dims.dense_flops_per_token == 2 * (4 * 32 * 64 + 3 * 32 * 8 + 32 * 10)
+
+
+def test_model_dims_match_llama_3_8b_parameter_count():
+    cfg = SimpleNamespace(
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
+    )
+    # 8.03e9 parameters, less the 4096 * 128256 input embedding (a lookup, not a matmul).
+    matmul_params = 8.03e9 - 4096 * 128256
+    flops = ModelDims.from_hf_config(cfg).dense_flops_per_token
+    assert flops == pytest.approx(2 * matmul_params, rel=1e-3)
