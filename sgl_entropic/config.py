@@ -44,7 +44,7 @@ class SamplingConfig(_Section):
     controller: Literal["entropic", "mirostat_v2"] = "entropic"
     target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
     eta: Optional[float] = Field(
-        None, gt=0.0, le=10.0, description="gain; default 0.5 (entropic) or 0.1 (mirostat_v2)"
+        None, gt=0.0, le=10.0, description="gain; default 0.2 (entropic) or 0.1 (mirostat_v2)"
     )
     t_init: Optional[float] = Field(
         None, gt=0.0, le=100.0, description="start temperature; default: the request's temperature"
@@ -69,7 +69,7 @@ class SamplingConfig(_Section):
     def gain(self) -> float:
         if self.eta is not None:
             return self.eta
-        return 0.5 if self.controller == "entropic" else 0.1
+        return 0.2 if self.controller == "entropic" else 0.1
 
 
 class SchedulingConfig(_Section):

@@ -8,11 +8,16 @@ registers nothing, so a plain `python -m sglang.launch_server` stays stock SGLan
 
 from __future__ import annotations
 
+import contextvars
 import logging
-import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
 from sgl_entropic.config import EntropicConfig, request_sampling_config
+from sgl_entropic.sampling import ControllerBatch, ControllerState, MirostatBatch, MirostatState
+from sgl_entropic.signal import EntropyTrace, ModelDims, step_cost, token_stats
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -37,11 +42,53 @@ def _hooks() -> list[tuple[str, Callable, Any]]:
     from sglang.srt.plugins.hook_registry import HookType
 
     return [
-        # main process: request validation becomes HTTP 400
+        # --- main process (HTTP server / tokenizer manager)
+        # request validation: a ValueError here becomes HTTP 400
         ("sglang.srt.sampling.sampling_params.SamplingParams.verify", _after_verify, HookType.AFTER),
-        # scheduler process
+        # per-token traces -> the public meta_info keys
+        ("sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
+         _after_update_request_meta_info, HookType.AFTER),
+        # sgl.Engine.generate(..., return_entropy=True), like the HTTP field
+        ("sglang.srt.entrypoints.engine.Engine.generate", _around_engine_generate, HookType.AROUND),
+        ("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+         _before_generate_request, HookType.BEFORE),
+        # --- scheduler process
         ("sglang.srt.managers.scheduler.Scheduler.get_init_info", _after_get_init_info, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler._create_generation_req", _after_create_generation_req, HookType.AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init, HookType.AFTER),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.sample", _around_model_runner_sample, HookType.AROUND),
+        ("sglang.srt.layers.sampler.Sampler.forward", _around_sampler_forward, HookType.AROUND),
     ]
+
+
+def _frontend_hooks() -> list[tuple[str, Callable, Any]]:
+    """Client-side hooks of the SGLang frontend language (sgl_entropic.gen)."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [
+        # SglSamplingParams has a fixed field list: carry our params across its clone ...
+        ("sglang.lang.interpreter.StreamExecutor._resolve_sampling_params", _around_resolve_sampling_params,
+         HookType.AROUND),
+        # ... into the request as plain JSON custom_params ...
+        ("sglang.lang.ir.SglSamplingParams.to_srt_kwargs", _after_to_srt_kwargs, HookType.AFTER),
+        # ... and ask for the traces (the last hook RuntimeEndpoint offers before it posts).
+        ("sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images", _after_add_images, HookType.AFTER),
+    ]
+
+
+_frontend_installed = False
+
+
+def install_frontend_hooks() -> None:
+    global _frontend_installed
+    if _frontend_installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target, hook, hook_type in _frontend_hooks():
+        HookRegistry.register(target, hook, hook_type)
+    HookRegistry.apply_hooks()
+    _frontend_installed = True
 
 
 def hooked_targets_applied() -> dict[str, bool]:
@@ -115,3 +162,256 @@ def _after_get_init_info(result, scheduler, *args, **kwargs):
         "hooks_missing": [t for t, ok in applied.items() if not ok],
     }
     return result
+
+
+# ---------------------------------------------------------------------------- per-request state
+
+
+@dataclass
+class RequestState:
+    """What the loops keep per request; lives on SGLang's Req as `req.entropic`."""
+
+    trace: EntropyTrace
+    controller: Optional[ControllerState] = None
+    mirostat: Optional[MirostatState] = None
+
+
+_dims: Optional[ModelDims] = None  # the served model's shape, for the cost model
+_metrics: Optional["EntropicMetrics"] = None  # scheduler process, with --enable-metrics
+
+
+def _new_request_state(sampling_params) -> RequestState:
+    state = RequestState(trace=EntropyTrace(keep_lists=False))
+    overrides = (sampling_params.custom_params or {}).get(ENTROPIC_KEY)
+    if overrides is None or not _config.sampling_on:
+        return state
+    # Already validated in the HTTP process (HTTP 400); sgl.Engine callers reach here directly.
+    cfg = request_sampling_config(_config.sampling, overrides)
+    if cfg.controller == "entropic":
+        state.controller = ControllerState.from_config(cfg, sampling_params.temperature)
+    else:
+        state.mirostat = MirostatState.from_config(cfg)
+    return state
+
+
+def _after_create_generation_req(req, scheduler, *args, **kwargs):
+    global _dims, _metrics
+    if _dims is None:
+        _dims = ModelDims.from_hf_config(scheduler.model_config.hf_config)
+        if scheduler.server_args.enable_metrics:
+            _metrics = EntropicMetrics()
+    try:
+        req.entropic = _new_request_state(req.sampling_params)
+    except ValueError as err:
+        # Only reachable through sgl.Engine, which skips the HTTP-side check: fail the request, not the server.
+        logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
+        req.entropic = RequestState(trace=EntropyTrace(keep_lists=False))
+        req.set_finish_with_abort(str(err))
+    return req
+
+
+# ---------------------------------------------------------------------------- one sampling step
+
+
+def _after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
+    reqs = list(batch.reqs or ())
+    if forward_batch.forward_mode.is_decode():
+        produces = [True] * len(reqs)
+    else:
+        # A middle chunk of a chunked prefill is sampled too, but its token is thrown away.
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        produces = [n >= len(r.origin_input_ids) + len(r.output_ids) for n, r in zip(seq_lens, reqs)]
+    forward_batch.entropic_rows = (reqs, produces)
+    return forward_batch
+
+
+_forward_batch = None  # the batch being sampled: ModelRunner.sample -> Sampler.forward
+
+
+def _around_model_runner_sample(original, runner, logits_output, forward_batch, *args, **kwargs):
+    global _forward_batch
+    _forward_batch = forward_batch
+    try:
+        return original(runner, logits_output, forward_batch, *args, **kwargs)
+    finally:
+        _forward_batch = None
+
+
+def _around_sampler_forward(original, sampler, logits_output, sampling_info, *args, **kwargs):
+    rows = getattr(_forward_batch, "entropic_rows", None)
+    logits = logits_output.next_token_logits
+    if rows is None or logits is None or logits.shape[0] != len(rows[0]):
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
+    step = SamplingStep(*rows, _forward_batch.seq_lens_cpu.tolist(), sampling_info, logits)
+    snapshot = logits.clone()  # the sampler turns logits into probabilities in place
+    token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
+    step.record(snapshot, token_ids)
+    return token_ids
+
+
+class SamplingStep:
+    """One sampling step of a batch, at the point where the distribution is actually sampled.
+
+    Logits arrive after penalties and grammar masks. Controlled rows get this step's temperature
+    from this step's logits (zero lag): the row is pre-scaled by T_request / T_new because the
+    sampler then divides by the request temperature. Mirostat rows get their truncation mask.
+    After sampling, every row's entropy and token surprisal are measured on that same
+    distribution (full, before top-k/top-p/min-p) and recorded.
+    """
+
+    def __init__(self, reqs, produces, seq_lens, sampling_info, logits):
+        self.reqs, self.seq_lens = reqs, seq_lens
+        self.states = [getattr(r, "entropic", None) if p else None for r, p in zip(reqs, produces)]
+        request_t = sampling_info.temperatures.view(-1).float()
+        self.inv_request_t = 1.0 / request_t
+        greedy = (sampling_info.top_ks.view(-1) == 1).tolist()
+        self.used_t = [0.0 if g else t for g, t in zip(greedy, request_t.tolist())]
+
+        ctrl = [i for i, s in enumerate(self.states) if s is not None and s.controller is not None]
+        if ctrl:
+            idx = torch.tensor(ctrl, device=logits.device)
+            z = logits.index_select(0, idx)
+            batch = ControllerBatch.from_rows([self.states[i].controller for i in ctrl], logits.device)
+            new_t, _ = batch.step(z)
+            batch.write_back([self.states[i].controller for i in ctrl])
+            logits.index_copy_(0, idx, z * (request_t[idx] / new_t).to(z.dtype)[:, None])
+            for i, t in zip(ctrl, new_t.tolist()):
+                self.used_t[i] = t
+
+        self.mirostat_rows = [i for i, s in enumerate(self.states) if s is not None and s.mirostat is not None]
+        if self.mirostat_rows:
+            idx = torch.tensor(self.mirostat_rows, device=logits.device)
+            z = logits.index_select(0, idx)
+            self.mirostat = MirostatBatch.from_rows([self.states[i].mirostat for i in self.mirostat_rows], logits.device)
+            self.mirostat_logits = self.mirostat.mask(z * self.inv_request_t[idx][:, None])
+            logits.index_copy_(0, idx, z.masked_fill(self.mirostat_logits == float("-inf"), float("-inf")))
+
+    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor) -> None:
+        if self.mirostat_rows:
+            idx = torch.tensor(self.mirostat_rows, device=token_ids.device)
+            self.mirostat.update(self.mirostat_logits, token_ids.index_select(0, idx))
+            self.mirostat.write_back([self.states[i].mirostat for i in self.mirostat_rows])
+        stats = token_stats(snapshot, token_ids, self.inv_request_t)
+        entropy, surprisal, valid = (t.tolist() for t in (stats.entropy, stats.surprisal, stats.valid))
+        step_tau = step_flops = 0.0
+        for i, state in enumerate(self.states):
+            if state is None:
+                continue
+            trace = state.trace
+            if valid[i]:
+                cost = step_cost(_dims, self.seq_lens[i])
+                step_tau += trace.record(entropy[i], surprisal[i], cost)
+                step_flops += cost
+            # null marks a step whose logits were not finite (nothing measured, tau unchanged)
+            _append_customized(
+                self.reqs[i],
+                entropy=entropy[i] if valid[i] else None,
+                surprisal=surprisal[i] if valid[i] else None,
+                temperature=self.used_t[i],
+                _entropic_time=trace.tau,
+                _entropic_efficiency=trace.efficiency,
+            )
+        if _metrics is not None:
+            _metrics.observe([h for h, ok in zip(entropy, valid) if ok], step_tau, step_flops)
+
+
+class EntropicMetrics:
+    """Prometheus series (with --enable-metrics), written from the scheduler process.
+
+    Rates come from the counters: tau rate = rate(sglang:entropic_time_nats_total[1m]);
+    d tau/dC = rate(sglang:entropic_time_nats_total[1m]) / rate(sglang:entropic_cost_gflop_total[1m]).
+    """
+
+    def __init__(self):
+        # imported here: prometheus_client must see PROMETHEUS_MULTIPROC_DIR, set by SGLang at startup
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.entropy = Histogram(
+            "sglang:entropic_step_entropy_nats",
+            "Entropy of each sampled next-token distribution (nats).",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 11.0),
+        )
+        self.tau = Counter("sglang:entropic_time_nats", "Entropic time resolved: sum of max(0, H_{t-1} - H_t) (nats).")
+        self.cost = Counter("sglang:entropic_cost_gflop", "Decode compute C of the recorded steps (GFLOP).")
+        self.efficiency = Gauge(
+            "sglang:entropic_efficiency",
+            "d tau / dC of the last sampled batch (nats per GFLOP).",
+            multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, entropies: list[float], step_tau: float, step_flops: float) -> None:
+        for h in entropies:
+            self.entropy.observe(h)
+        self.tau.inc(step_tau)
+        self.cost.inc(step_flops / 1e9)
+        if step_flops > 0:
+            self.efficiency.set(step_tau / (step_flops / 1e9))
+
+
+def _append_customized(req, **values) -> None:
+    """Per-token values travel to the client through SGLang's `req.customized_info` -> meta_info."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    for key, value in values.items():
+        req.customized_info.setdefault(key, []).append(value)
+
+
+# ---------------------------------------------------------------------------- meta_info (main process)
+
+TRACE_KEYS = ("entropy", "surprisal", "temperature")
+
+
+def _after_update_request_meta_info(result, manager, meta_info, state, *args, **kwargs):
+    """Cumulative per-token scalars become floats; traces stay only for `return_entropy` requests."""
+    for internal, public in (("_entropic_time", "entropic_time"), ("_entropic_efficiency", "entropic_efficiency")):
+        values = meta_info.pop(internal, None)
+        if values:
+            meta_info[public] = values[-1]
+    if not getattr(state.obj, "return_entropy", False):
+        for key in TRACE_KEYS:
+            meta_info.pop(key, None)
+
+
+# ---------------------------------------------------------------------------- sgl.Engine
+
+
+_engine_return_entropy = contextvars.ContextVar("sgl_entropic_return_entropy", default=False)
+
+
+def _around_engine_generate(original, engine, *args, return_entropy: bool = False, **kwargs):
+    token = _engine_return_entropy.set(return_entropy)
+    try:
+        return original(engine, *args, **kwargs)
+    finally:
+        _engine_return_entropy.reset(token)
+
+
+def _before_generate_request(manager, obj, *args, **kwargs):
+    # Called synchronously inside Engine.generate (it only creates the async generator).
+    if _engine_return_entropy.get():
+        obj.return_entropy = True
+
+
+# ---------------------------------------------------------------------------- frontend language
+
+
+def is_entropic(sampling_params) -> bool:
+    return getattr(sampling_params, "entropic", None) is not None
+
+
+def _around_resolve_sampling_params(original, executor, sampling_params):
+    clone = original(executor, sampling_params)
+    if is_entropic(sampling_params):
+        clone.entropic = dict(sampling_params.entropic)
+    return clone
+
+
+def _after_to_srt_kwargs(result, sampling_params):
+    if is_entropic(sampling_params):
+        result["custom_params"] = {**(result.get("custom_params") or {}), ENTROPIC_KEY: sampling_params.entropic}
+    return result
+
+
+def _after_add_images(result, endpoint, executor, data):
+    if ENTROPIC_KEY in (data["sampling_params"].get("custom_params") or {}):
+        data["return_entropy"] = True

@@ -74,7 +74,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(["--entropic", "full"], log)
+    # Small prefill chunks so that every long prompt exercises chunked prefill; metrics on.
+    srv = start_server(["--entropic", "full", "--chunked-prefill-size", "256", "--enable-metrics"], log)
     yield srv
     stop_server(srv.proc)
 

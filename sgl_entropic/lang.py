@@ -1,0 +1,66 @@
+"""Frontend primitives: entropic generation inside `@sgl.function` programs.
+
+    s += sgl_entropic.gen("answer", max_tokens=128, target_entropy=2.0)
+    s.get_meta_info("answer")["entropy"], ["temperature"], ["entropic_time"], ...
+
+Works with `sgl.RuntimeEndpoint` (our server) and with an in-process `sgl.Engine` through
+`EngineBackend`. The entropic keywords are validated here already (ValueError naming the
+field); the server validates them again, merged over its own defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import sglang as sgl
+from pydantic import ValidationError
+from sglang.lang.backend.base_backend import BaseBackend
+from sglang.lang.chat_template import get_chat_template
+
+from sgl_entropic import plugin
+from sgl_entropic.config import SamplingConfig, format_error
+
+ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields)
+
+
+def gen(name: Optional[str] = None, **kwargs: Any):
+    """`sgl.gen` plus the entropic sampling keywords of `SamplingConfig`.
+
+    With no entropic keyword, the server's defaults apply (the controller still runs).
+    The per-step traces (`entropy`, `surprisal`, `temperature`) and the scalars
+    (`entropic_time`, `entropic_efficiency`) come back in `s.get_meta_info(name)`.
+    """
+    entropic = {k: kwargs.pop(k) for k in list(kwargs) if k in ENTROPIC_FIELDS}
+    try:
+        SamplingConfig.model_validate(entropic)
+    except ValidationError as err:
+        raise ValueError(format_error(err, prefix="sgl_entropic.gen")) from None
+    plugin.install_frontend_hooks()
+    expr = sgl.gen(name, **kwargs)
+    expr.sampling_params.entropic = entropic
+    return expr
+
+
+class EngineBackend(BaseBackend):
+    """Runs `@sgl.function` programs on an in-process `sgl.Engine` (see `sgl_entropic.Engine`)."""
+
+    def __init__(self, engine, chat_template: str = "chatml"):
+        super().__init__()
+        self.engine = engine
+        self.chat_template = get_chat_template(chat_template)
+        plugin.install_frontend_hooks()
+
+    def get_chat_template(self):
+        return self.chat_template
+
+    def generate(self, s, sampling_params):
+        out = self.engine.generate(
+            prompt=s.text_,
+            sampling_params=sampling_params.to_srt_kwargs(),
+            return_entropy=plugin.is_entropic(sampling_params),
+        )
+        return out["text"], out["meta_info"]
+
+    def generate_stream(self, s, sampling_params):
+        # One chunk: the engine's own streaming is a blocking iterator over cumulative outputs.
+        yield self.generate(s, sampling_params)

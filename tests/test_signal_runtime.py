@@ -1,0 +1,107 @@
+"""The entropy signal on the real runtime: exact against transformers, aligned, visible to clients."""
+
+import json
+import math
+
+import pytest
+import requests
+import torch
+
+from sgl_entropic.signal import entropy_exact
+
+pytestmark = pytest.mark.server
+
+PROMPT = "<|im_start|>user\nWhat is the tallest mountain on Earth?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _reference_steps(hf_model, prompt_ids, output_ids):
+    """Per output token: entropy of transformers' next-token distribution and the token's surprisal."""
+    model, _ = hf_model
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    steps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(output_ids)]
+    surprisal = -torch.log_softmax(steps, -1)[torch.arange(len(output_ids)), torch.tensor(output_ids)]
+    return entropy_exact(steps).tolist(), surprisal.tolist()
+
+
+def _greedy(server, text, n):
+    return server.generate(
+        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "return_entropy": True}
+    )
+
+
+def test_greedy_entropy_and_surprisal_match_transformers(server, hf_model):
+    _, tokenizer = hf_model
+    out = _greedy(server, PROMPT, 16)
+    meta = out["meta_info"]
+    prompt_ids = tokenizer(PROMPT).input_ids
+    entropy, surprisal = _reference_steps(hf_model, prompt_ids, out["output_ids"])
+    assert len(meta["entropy"]) == len(meta["surprisal"]) == meta["completion_tokens"] == 16
+    for served, ref in zip(meta["entropy"], entropy):
+        assert abs(served - ref) < 1e-3
+    for served, ref in zip(meta["surprisal"], surprisal):
+        assert abs(served - ref) < 1e-3
+    assert meta["temperature"] == [0.0] * 16  # greedy: measured at T = 1, sampled by argmax
+
+
+def test_entropic_time_is_the_sum_of_entropy_drops(server):
+    meta = _greedy(server, PROMPT, 12)["meta_info"]
+    h = meta["entropy"]
+    tau = sum(max(0.0, a - b) for a, b in zip(h, h[1:]))
+    assert meta["entropic_time"] == pytest.approx(tau, rel=1e-9, abs=1e-9)
+    assert meta["entropic_efficiency"] > 0 or tau == 0
+
+
+def test_without_the_flag_only_the_scalars_appear(server):
+    meta = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})["meta_info"]
+    assert isinstance(meta["entropic_time"], float) and isinstance(meta["entropic_efficiency"], float)
+    for key in ("entropy", "surprisal", "temperature"):
+        assert key not in meta
+
+
+def test_chunked_prefill_keeps_one_value_per_output_token(server, hf_model):
+    # The shared server prefills in chunks of 256 tokens: this prompt takes several chunks,
+    # and the samples of the middle chunks must not be recorded.
+    _, tokenizer = hf_model
+    filler = " ".join(f"Item {i} is a small blue stone." for i in range(90))
+    text = f"<|im_start|>user\n{filler}\nHow many items are there?<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = tokenizer(text).input_ids
+    assert len(prompt_ids) > 3 * 256
+    out = _greedy(server, text, 4)
+    entropy, _ = _reference_steps(hf_model, prompt_ids, out["output_ids"])
+    assert len(out["meta_info"]["entropy"]) == 4
+    for served, ref in zip(out["meta_info"]["entropy"], entropy):
+        assert abs(served - ref) < 1e-3
+
+
+def test_streaming_carries_the_cumulative_traces(server):
+    payload = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0},
+        "return_entropy": True,
+        "stream": True,
+    }
+    last = None
+    with requests.post(server.url + "/generate", json=payload, stream=True, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                last = json.loads(line[5:])
+    meta = last["meta_info"]
+    assert len(meta["entropy"]) == meta["completion_tokens"] == 10
+    assert meta["entropic_time"] == pytest.approx(_greedy(server, PROMPT, 10)["meta_info"]["entropic_time"], abs=1e-6)
+
+
+def test_prometheus_series(server):
+    server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    text = server.get("/metrics").text
+    for series in (
+        "sglang:entropic_step_entropy_nats_bucket",
+        "sglang:entropic_time_nats_total",
+        "sglang:entropic_cost_gflop_total",
+        "sglang:entropic_efficiency",
+    ):
+        assert series in text, series
+    count = [l for l in text.splitlines() if l.startswith("sglang:entropic_step_entropy_nats_count")]
+    assert count and float(count[0].split()[-1]) >= 4
+    assert not math.isnan(float([l for l in text.splitlines() if l.startswith("sglang:entropic_cost_gflop_total")][0].split()[-1]))
