@@ -39,12 +39,17 @@ class Server:
         return r.json()
 
 
-def start_server(extra_args: list[str], log: Path) -> Server:
+# Shared by our server and the stock one: fp32 so that values compare with transformers to 1e-3,
+# small prefill chunks so that long prompts exercise chunked prefill.
+COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256"]
+
+
+def start_server(cmd: list[str], log: Path, env: dict | None = None) -> Server:
     port = _free_port()
-    # fp32 so that logprobs and entropies can be compared with transformers to 1e-3.
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--port", str(port), "--dtype", "float32", *extra_args]
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -73,9 +78,25 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
+    if os.environ.get("SGLANG_ENTROPIC_TEST_URL"):  # reuse a running server while developing
+        yield Server(os.environ["SGLANG_ENTROPIC_TEST_URL"], None, None)
+        return
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # Small prefill chunks so that every long prompt exercises chunked prefill; metrics on.
-    srv = start_server(["--entropic", "full", "--chunked-prefill-size", "256", "--enable-metrics"], log)
+    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics", *COMMON_ARGS]
+    srv = start_server(cmd, log)
+    yield srv
+    stop_server(srv.proc)
+
+
+@pytest.fixture(scope="session")
+def stock_server(tmp_path_factory, model_path) -> Server:
+    """Plain `sglang.launch_server` in the same venv: without our config the plugin registers nothing."""
+    log = tmp_path_factory.mktemp("stock") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
+           "--max-total-tokens", "65536", "--chat-template", "chatml", *COMMON_ARGS]
+    srv = start_server(cmd, log, env=env)
     yield srv
     stop_server(srv.proc)
 
