@@ -49,9 +49,30 @@ def build_config(mode: Optional[str], config_arg: Optional[str], parser: argpars
             parser.error(f"--entropic {mode} contradicts --entropic-config mode {data['mode']!r}")
         data["mode"] = mode
     try:
-        return EntropicConfig.model_validate(data)
+        config = EntropicConfig.model_validate(data)
     except ValidationError as err:
         parser.error(f"--entropic-config: {format_error(err)}")
+    if config.scheduling.decode_budget is not None:
+        # The selection exists (scheduling.select_decode); running a subset of the batch does not yet.
+        parser.error("--entropic-config: scheduling.decode_budget is not supported by the runtime yet")
+    return config
+
+
+def map_schedule_policy(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
+    """SGLang's --schedule-policy choices are fixed: `entropic` is ours, the macro loop on top of fcfs."""
+    if _flag_value(rest, "--schedule-policy") != "entropic":
+        return rest
+    if not config.scheduling_on:
+        parser.error(f"--schedule-policy entropic needs the scheduling loop, but --entropic is {config.mode}")
+    out, skip = [], False
+    for a in rest:
+        if skip:
+            skip = False
+        elif a == "--schedule-policy":
+            skip = True
+        elif not a.startswith("--schedule-policy="):
+            out.append(a)
+    return out + ["--schedule-policy", "fcfs"]
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -93,6 +114,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("\nSGLang's own flags follow.\n")
     own, rest = parser.parse_known_args(argv)
     config = build_config(own.entropic, own.entropic_config, parser)
+    rest = map_schedule_policy(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()
 

@@ -17,6 +17,7 @@ import torch
 
 from sgl_entropic.config import EntropicConfig, request_sampling_config
 from sgl_entropic.sampling import ControllerBatch, ControllerState, MirostatBatch, MirostatState
+from sgl_entropic.scheduling import GainEstimator, RequestView, Scales, order_waiting
 from sgl_entropic.signal import EntropyTrace, ModelDims, step_cost, token_stats
 
 logger = logging.getLogger("sgl_entropic")
@@ -58,6 +59,10 @@ def _hooks() -> list[tuple[str, Callable, Any]]:
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init, HookType.AFTER),
         ("sglang.srt.model_executor.model_runner.ModelRunner.sample", _around_model_runner_sample, HookType.AROUND),
         ("sglang.srt.layers.sampler.Sampler.forward", _around_sampler_forward, HookType.AROUND),
+        # macro loop: prefill order and decode retraction order (inert unless scheduling is on)
+        ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority", _after_calc_priority, HookType.AFTER),
+        ("sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order",
+         _around_retraction_order, HookType.AROUND),
     ]
 
 
@@ -172,16 +177,30 @@ class RequestState:
     """What the loops keep per request; lives on SGLang's Req as `req.entropic`."""
 
     trace: EntropyTrace
+    gain: GainEstimator
+    arrival_seq: int
+    arrival_step: int
     controller: Optional[ControllerState] = None
     mirostat: Optional[MirostatState] = None
 
 
 _dims: Optional[ModelDims] = None  # the served model's shape, for the cost model
+_scales: Optional[Scales] = None  # rank-independent units of the scheduling terms
+_kv_page_size = 1  # SGLang's KV page size (tokens per page)
+_arrivals = 0  # admission counter: the same on every TP rank (all ranks get the same requests)
+_steps = 0  # forward batches so far: the scheduler's clock, identical on every rank
 _metrics: Optional["EntropicMetrics"] = None  # scheduler process, with --enable-metrics
 
 
 def _new_request_state(sampling_params) -> RequestState:
-    state = RequestState(trace=EntropyTrace(keep_lists=False))
+    global _arrivals
+    _arrivals += 1
+    state = RequestState(
+        trace=EntropyTrace(keep_lists=False),
+        gain=GainEstimator(_config.scheduling),
+        arrival_seq=_arrivals,
+        arrival_step=_steps,
+    )
     overrides = (sampling_params.custom_params or {}).get(ENTROPIC_KEY)
     if overrides is None or not _config.sampling_on:
         return state
@@ -195,9 +214,14 @@ def _new_request_state(sampling_params) -> RequestState:
 
 
 def _after_create_generation_req(req, scheduler, *args, **kwargs):
-    global _dims, _metrics
+    global _dims, _metrics, _scales, _kv_page_size
     if _dims is None:
         _dims = ModelDims.from_hf_config(scheduler.model_config.hf_config)
+        _kv_page_size = scheduler.page_size
+        _scales = Scales(
+            cost_ref_gflop=step_cost(_dims, 0) / 1e9,  # C in decode-token equivalents
+            kv_ref_pages=max(1.0, scheduler.max_total_num_tokens / scheduler.page_size),  # M: fraction of the pool
+        )
         if scheduler.server_args.enable_metrics:
             _metrics = EntropicMetrics()
     try:
@@ -205,7 +229,8 @@ def _after_create_generation_req(req, scheduler, *args, **kwargs):
     except ValueError as err:
         # Only reachable through sgl.Engine, which skips the HTTP-side check: fail the request, not the server.
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
-        req.entropic = RequestState(trace=EntropyTrace(keep_lists=False))
+        req.sampling_params.custom_params = None
+        req.entropic = _new_request_state(req.sampling_params)
         req.set_finish_with_abort(str(err))
     return req
 
@@ -214,6 +239,8 @@ def _after_create_generation_req(req, scheduler, *args, **kwargs):
 
 
 def _after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
+    global _steps
+    _steps += 1
     reqs = list(batch.reqs or ())
     if forward_batch.forward_mode.is_decode():
         produces = [True] * len(reqs)
@@ -302,6 +329,7 @@ class SamplingStep:
                 cost = step_cost(_dims, self.seq_lens[i])
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
+                state.gain.observe(entropy[i])
             # null marks a step whose logits were not finite (nothing measured, tau unchanged)
             _append_customized(
                 self.reqs[i],
@@ -415,3 +443,52 @@ def _after_to_srt_kwargs(result, sampling_params):
 def _after_add_images(result, endpoint, executor, data):
     if ENTROPIC_KEY in (data["sampling_params"].get("custom_params") or {}):
         data["return_entropy"] = True
+
+
+# ---------------------------------------------------------------------------- macro loop (scheduler)
+
+
+def _scheduling_views(reqs, running: bool) -> Optional[list[RequestView]]:
+    """Plain views of SGLang requests for sgl_entropic.scheduling; None if any request has no state."""
+    if not _config.scheduling_on or _scales is None or any(getattr(r, "entropic", None) is None for r in reqs):
+        return None
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+    decode_gflop = _scales.cost_ref_gflop
+    views = []
+    for r in reqs:
+        st = r.entropic
+        if running:
+            # next step: one decode token over the whole context; KV: the pages it holds
+            cost, pages, waited = step_cost(_dims, r.seqlen) / 1e9, -(-r.seqlen // _kv_page_size), 0
+        else:
+            # next step: the prefill of its uncached tokens; waiting counted in scheduler steps
+            cost, pages, waited = SchedulePolicy._uncached_len(r) * decode_gflop, 0, _steps - st.arrival_step
+        views.append(
+            RequestView(
+                rid=r.rid,
+                arrival_seq=st.arrival_seq,
+                waited_steps=max(0, waited),
+                prompt_len=len(r.origin_input_ids),
+                output_len=len(r.output_ids),
+                kv_pages=pages,
+                expected_gain=st.gain.expected_gain,
+                step_cost=cost,
+            )
+        )
+    return views
+
+
+def _after_calc_priority(result, policy, waiting_queue, *args, **kwargs):
+    views = _scheduling_views(waiting_queue, running=False)
+    if views:
+        order = order_waiting(views, _config.scheduling, _scales)
+        waiting_queue[:] = [waiting_queue[i] for i in order]
+
+
+def _around_retraction_order(original, reqs):
+    views = _scheduling_views(reqs, running=True)
+    if not views:
+        return original(reqs)
+    # SGLang retracts from the END of this list: most-preferred first, lowest pi last.
+    return order_waiting(views, _config.scheduling, _scales)
