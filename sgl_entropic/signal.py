@@ -33,19 +33,19 @@ class TokenStats(NamedTuple):
     valid: torch.Tensor
 
 
-def _entropy_and_lse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _entropy_and_lse(x: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and log-sum-exp of float32 rows `x`, shifted by the row max m for stability.
 
     With u_i = x_i - m, s = sum_i e^{u_i} and t = sum_i e^{u_i} u_i:
     lse = m + ln s and H = lse - sum_i p_i x_i = ln s - t / s.
-    Entries with e^{u_i} = 0 (masked, or underflowed) are left out of t, so that
-    0 * (-inf) never turns into NaN.
+    A masked entry (u_i = -inf, e^{u_i} = 0) gives 0 * (-inf) = NaN in t, which nansum drops:
+    its contribution is 0. Six passes over the row; this runs every decode step on CPU.
     """
-    row_max = x.amax(dim=-1, keepdim=True)
+    row_max = x.amax(dim=-1, keepdim=True) if row_max is None else row_max[:, None]
     shifted = x - row_max
     weights = shifted.exp()
     s = weights.sum(dim=-1)
-    t = torch.where(weights > 0, weights * shifted, 0.0).sum(dim=-1)
+    t = shifted.mul_(weights).nansum(dim=-1)
     log_s = s.log()
     # H >= 0 exactly; rounding of ln s - t/s may dip a few ulps below.
     return (log_s - t / s).clamp_min(0.0), row_max.squeeze(-1) + log_s
@@ -122,25 +122,29 @@ def token_stats_reference(
         if inv_temperature is None
         else inv_temperature.to(device=logits.device, dtype=torch.float32)
     )
-    x = logits.float() * inv_t[:, None]
+    x = logits.float()
+    if inv_temperature is not None:
+        x = x * inv_t[:, None]
     tokens = token_ids.to(device=logits.device, dtype=torch.long)
     token_in_range = (tokens >= 0) & (tokens < vocab)
     if vocab == 0:
         zeros = torch.zeros(batch, device=logits.device)
         return TokenStats(zeros, zeros.clone(), zeros.clone(), torch.zeros_like(token_in_range))
     token_logit = x.gather(1, tokens.clamp(0, vocab - 1)[:, None]).squeeze(1)
-    has_bad_entry = (torch.isnan(x) | (x == float("inf"))).any(dim=-1)
+    # amax propagates NaN, so one reduction finds NaN, +inf and rows with no finite entry.
+    row_max = x.amax(dim=-1)
     valid = (
         (inv_t > 0)
         & (inv_t < float("inf"))
         & token_in_range
-        & ~has_bad_entry
-        # A finite token logit also proves the row has a finite entry.
+        & torch.isfinite(row_max)
         & (token_logit > float("-inf"))
     )
-    # Invalid rows become all-zero rows so that the math below stays NaN-free.
-    x = torch.where(valid[:, None], x, 0.0)
-    entropy, lse = _entropy_and_lse(x)
+    if bool(valid.all()):
+        entropy, lse = _entropy_and_lse(x, row_max)
+    else:
+        # Invalid rows become all-zero rows so that the math below stays NaN-free.
+        entropy, lse = _entropy_and_lse(torch.where(valid[:, None], x, 0.0))
     surprisal = lse - torch.where(valid, token_logit, 0.0)
     return TokenStats(
         torch.where(valid, entropy, 0.0),

@@ -6,13 +6,21 @@ from types import SimpleNamespace
 import torch
 
 from sgl_entropic import plugin
-from sgl_entropic.config import EntropicConfig, SamplingConfig
+from sgl_entropic.config import EntropicConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.sampling import ControllerState, MirostatState
+from sgl_entropic.scheduling import GainEstimator
 from sgl_entropic.signal import EntropyTrace, ModelDims
 
 
 def _req(controller=None, mirostat=None):
-    state = plugin.RequestState(trace=EntropyTrace(keep_lists=False), controller=controller, mirostat=mirostat)
+    state = plugin.RequestState(
+        trace=EntropyTrace(keep_lists=False),
+        gain=GainEstimator(SchedulingConfig()),
+        arrival_seq=0,
+        arrival_step=0,
+        controller=controller,
+        mirostat=mirostat,
+    )
     return SimpleNamespace(entropic=state, customized_info=None)
 
 
