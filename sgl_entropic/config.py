@@ -1,4 +1,8 @@
-"""The one configuration model of sgl-entropic.
+"""The one configuration model of sgl-entropic: the mode and one section per control loop.
+
+The signal itself has no knobs: the runtime measures exact entropy (one pass over the
+vocabulary); the top-k estimator and its tail bounds are in sgl_entropic.signal for callers
+that need them.
 
 Server-wide values come from the launcher (`--entropic`, `--entropic-config`); a request may
 override the sampling section with `sampling_params.custom_params.entropic = {...}`.
@@ -26,12 +30,6 @@ CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
-
-
-class SignalConfig(_Section):
-    """The entropy sensor that all three loops read."""
-
-    top_k: int = Field(64, ge=1, le=4096, description="k of the truncated estimator and its tail bounds")
 
 
 class SamplingConfig(_Section):
@@ -113,7 +111,6 @@ class PruningConfig(_Section):
 
 class EntropicConfig(_Section):
     mode: Mode = "full"
-    signal: SignalConfig = SignalConfig()
     sampling: SamplingConfig = SamplingConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     pruning: PruningConfig = PruningConfig()
@@ -129,6 +126,11 @@ class EntropicConfig(_Section):
     @property
     def pruning_on(self) -> bool:
         return self.mode in ("pruning", "full")
+
+    @property
+    def active_loops(self) -> list[str]:
+        """What the runtime really runs for this mode (the meso loop is not wired in yet)."""
+        return ["signal"] + [name for name, on in (("sampling", self.sampling_on), ("scheduling", self.scheduling_on)) if on]
 
     def to_env(self) -> str:
         return self.model_dump_json()

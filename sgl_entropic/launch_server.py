@@ -131,10 +131,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     load_plugins()  # before SGLang's argparse, so plugin-registered choices are accepted
     server_args = prepare_server_args(rest)
     print(
-        f"sgl-entropic: mode={config.mode}, model={server_args.model_path}, "
-        f"listening on http://{server_args.host}:{server_args.port}",
+        f"sgl-entropic: mode={config.mode} (active: {', '.join(config.active_loops)}), "
+        f"model={server_args.model_path}, listening on http://{server_args.host}:{server_args.port}",
         flush=True,
     )
+    if config.pruning_on:
+        print("sgl-entropic: the pruning loop is not wired into attention yet; decode stays dense", flush=True)
     try:
         run_server(server_args)
     finally:

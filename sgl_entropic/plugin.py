@@ -160,6 +160,7 @@ def _after_get_init_info(result, scheduler, *args, **kwargs):
     applied = hooked_targets_applied()
     result[ENTROPIC_KEY] = {
         "mode": _config.mode,
+        "active_loops": _config.active_loops,
         "config": _config.model_dump(mode="json"),
         # Computed here, in the scheduler process: proof that the plugin loaded where it matters.
         "plugin_loaded_in_scheduler": True,
