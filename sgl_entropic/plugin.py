@@ -399,6 +399,10 @@ def _after_update_request_meta_info(result, manager, meta_info, state, *args, **
     if not getattr(state.obj, "return_entropy", False):
         for key in TRACE_KEYS:
             meta_info.pop(key, None)
+    elif "input_token_logprobs" in meta_info:
+        # Prompt surprisal on request (return_logprob + logprob_start_len=0): SGLang's own input
+        # logprobs, at T = 1; the first prompt token has no prediction (null).
+        meta_info["prompt_surprisal"] = [None if lp is None else -lp for lp, *_ in meta_info["input_token_logprobs"]]
 
 
 # ---------------------------------------------------------------------------- sgl.Engine

@@ -45,6 +45,27 @@ def test_greedy_entropy_and_surprisal_match_transformers(server, hf_model):
     assert meta["temperature"] == [0.0] * 16  # greedy: measured at T = 1, sampled by argmax
 
 
+def test_prompt_surprisal_on_request_matches_transformers(server, hf_model):
+    model, tokenizer = hf_model
+    out = server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_entropy": True,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+    )
+    served = out["meta_info"]["prompt_surprisal"]
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    reference = (-logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)).tolist()
+    assert len(served) == len(ids) and served[0] is None
+    for s, r in zip(served[1:], reference):
+        assert abs(s - r) < 1e-3
+
+
 def test_entropic_time_is_the_sum_of_entropy_drops(server):
     meta = _greedy(server, PROMPT, 12)["meta_info"]
     h = meta["entropy"]
