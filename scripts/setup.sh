@@ -13,7 +13,12 @@ command -v "$python" >/dev/null || python=python3
   || { echo "setup: Python 3.11 is required (found $("$python" --version))" >&2; exit 1; }
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# pip's resolver lists sglang's CUDA-only requirements as missing: expected with --no-deps (README).
+# With pipefail, a failing pip still fails the script; only grep's "nothing left" is ignored.
+pip() {
+  .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -vE "is ignored: it is neither|^sglang 0\.5\.23 requires |^ERROR: pip's dependency resolver" || true; }
+}
 
 # Reinstall only when what we install changed.
 want=$(cat requirements/cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$gpu

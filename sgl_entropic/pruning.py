@@ -73,12 +73,13 @@ kernel on CUDA.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from sgl_entropic.kernels import triton_available
 
 from sgl_entropic.config import PruningConfig
 
@@ -287,15 +288,6 @@ def block_select_reference(
     return scores, select_blocks_batched(scores, n, keep_counts, sink, recent)
 
 
-@functools.cache
-def _triton_usable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def block_select(
     surprisal: torch.Tensor,
     lengths: torch.Tensor,
@@ -306,7 +298,7 @@ def block_select(
     aggregate: str = DEFAULT_AGGREGATE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_select_reference`'s result: by the Triton kernel on CUDA, else by torch."""
-    if surprisal.is_cuda and _triton_usable():
+    if surprisal.is_cuda and triton_available():
         from sgl_entropic.kernels.block_select import block_select_triton
 
         return block_select_triton(surprisal, lengths, keep_counts, page_size, sink, recent, aggregate)

@@ -9,11 +9,12 @@ read the sensor without a server.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
+
+from sgl_entropic.kernels import triton_available
 
 
 class TopKEntropy(NamedTuple):
@@ -154,20 +155,11 @@ def token_stats_reference(
     )
 
 
-@functools.cache
-def _triton_usable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def token_stats(
     logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None
 ) -> TokenStats:
     """`token_stats_reference`'s result: by the one-pass Triton kernel on CUDA, else by torch."""
-    if logits.is_cuda and _triton_usable():
+    if logits.is_cuda and triton_available():
         from sgl_entropic.kernels.entropy import token_stats_triton
 
         return token_stats_triton(logits, token_ids, inv_temperature)
