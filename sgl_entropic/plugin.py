@@ -270,10 +270,18 @@ def _around_sampler_forward(original, sampler, logits_output, sampling_info, *ar
     logits = logits_output.next_token_logits
     if rows is None or logits is None or logits.shape[0] != len(rows[0]):
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
-    step = SamplingStep(*rows, _forward_batch.seq_lens_cpu.tolist(), sampling_info, logits)
-    snapshot = logits.clone()  # the sampler turns logits into probabilities in place
+    # A fault in our per-step work must cost the step its entropic control, never the scheduler.
+    try:
+        step = SamplingStep(*rows, _forward_batch.seq_lens_cpu.tolist(), sampling_info, logits)
+        snapshot = logits.clone()  # the sampler turns logits into probabilities in place
+    except Exception:
+        logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
     token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
-    step.record(snapshot, token_ids)
+    try:
+        step.record(snapshot, token_ids)
+    except Exception:
+        logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
     return token_ids
 
 

@@ -65,3 +65,13 @@ def test_rows_that_produce_no_token_are_not_recorded(monkeypatch):
     step.record(logits.clone(), torch.tensor([3]))
     assert torch.equal(logits, original)
     assert chunked.customized_info is None and chunked.entropic.controller.steps_done == 0
+
+
+def test_a_fault_in_the_step_falls_back_to_plain_sampling(monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "_config", EntropicConfig())
+    broken_batch = SimpleNamespace(entropic_rows=([_req()], [True]), seq_lens_cpu=None)  # .tolist() fails
+    monkeypatch.setattr(plugin, "_forward_batch", broken_batch)
+    logits_output = SimpleNamespace(next_token_logits=torch.randn(1, 8))
+    result = plugin._around_sampler_forward(lambda *a, **k: "sampled", None, logits_output, None)
+    assert result == "sampled"
+    assert "sampled without control" in caplog.text
