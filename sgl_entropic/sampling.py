@@ -16,8 +16,7 @@ paper printed the opposite sign; that direction is unstable, see below.)
 Zero-lag use at each decode step, for the rows that have the controller on::
 
     batch = ControllerBatch.from_rows(rows, logits.device)     # or keep it on device
-    valid = logits_valid(logits)                                # no NaN / +inf, >= 1 finite
-    temperature, probe = batch.step(logits, valid)              # probe at the state T, update
+    temperature, probe = batch.step(logits)                     # probe at the state T, update
     ... sample this step from softmax(logits / temperature[:, None]) ...
     batch.write_back(rows)                                      # the one host sync
 
@@ -70,6 +69,8 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from sgl_entropic.signal import entropy_exact
+
 if TYPE_CHECKING:  # config imports pydantic only; keep this module torch-only at run time
     from sgl_entropic.config import SamplingConfig
 
@@ -80,7 +81,6 @@ __all__ = [
     "MirostatState",
     "entropy",
     "heat_capacity",
-    "logits_valid",
     "mirostat_v2_mask",
     "mirostat_v2_update",
     "update_temperature",
@@ -110,19 +110,14 @@ def _entropy_from_log_probs(logp: Tensor) -> tuple[Tensor, Tensor]:
     return p, -plogp.sum(dim=-1)
 
 
-def logits_valid(logits: Tensor) -> Tensor:
-    """[B] bool: the row has no NaN, no +inf, and at least one finite logit (-inf is a mask)."""
-    finite = torch.isfinite(logits)
-    bad = torch.isnan(logits) | torch.isposinf(logits)
-    return finite.any(dim=-1) & ~bad.any(dim=-1)
-
-
 def entropy(logits: Tensor, temperature: Optional[Tensor] = None) -> Tensor:
-    """[B] entropy in nats of softmax(logits / temperature[:, None]) over the last dim.
+    """[B] entropy in nats of softmax(logits / temperature[:, None]): the signal's `entropy_exact`.
 
-    -inf logits are masked tokens (they contribute 0); computed in float32.
+    -inf logits are masked tokens (they contribute 0); computed in float32. A row with no
+    distribution (NaN, +inf, nothing finite) gives NaN, which `update_temperature` holds.
     """
-    return _entropy_from_log_probs(_log_probs(logits, temperature))[1]
+    z = logits.float()
+    return entropy_exact(z if temperature is None else z / temperature.float().unsqueeze(-1))
 
 
 def heat_capacity(logits: Tensor, temperature: Optional[Tensor] = None) -> Tensor:
@@ -271,10 +266,9 @@ class ControllerBatch:
 
         Returns (temperature, probe_entropy): sample THIS step at ``temperature``; the batch's
         state becomes that temperature and ``steps_done`` advances by one for every row
-        (held rows included). ``valid`` defaults to `logits_valid(logits)`.
+        (held rows included). Rows whose logits have no distribution (NaN, +inf, all masked)
+        have a NaN probe and are held; ``valid`` can hold further rows.
         """
-        if valid is None:
-            valid = logits_valid(logits)
         probe = entropy(logits, self.temperature)
         new_t = self.update(probe, valid)
         self.temperature = new_t

@@ -40,7 +40,6 @@ from sgl_entropic.sampling import (
     MirostatState,
     entropy,
     heat_capacity,
-    logits_valid,
     mirostat_v2_mask,
     mirostat_v2_update,
     update_temperature,
@@ -150,13 +149,17 @@ def test_heat_capacity_is_dh_dlnt(kind, v, scale, seed, t):
     assert c == pytest.approx(num, rel=2e-2, abs=2e-2)
 
 
-def test_logits_valid():
+def test_step_holds_rows_without_a_distribution():
     z = torch.zeros(5, 4)
     z[1, 2] = float("nan")
     z[2, 0] = float("inf")
     z[3, :] = float("-inf")
-    z[4, 1:] = float("-inf")  # masked but one token left: valid
-    assert logits_valid(z).tolist() == [True, False, False, False, True]
+    z[4, 1:] = float("-inf")  # masked but one token left: a distribution with H = 0
+    state = ControllerState(temperature=1.0, target=0.5, eta=0.5, t_min=0.1, t_max=2.0, floor=0.0, warmup=0)
+    batch = ControllerBatch.from_rows([state] * 5)
+    new_t, _ = batch.step(z)
+    held = (new_t == 1.0).tolist()
+    assert held == [False, True, True, True, False]
 
 
 # ---------------------------------------------------------------------------------------------
