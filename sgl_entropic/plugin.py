@@ -132,25 +132,33 @@ def _check_custom_params_shape(custom_params: Any) -> None:
             raise ValueError(f"custom_params.{key}.{bad[0]}: nested objects or lists are not allowed here")
 
 
-def _after_verify(result, sampling_params, *args, **kwargs):
-    custom = sampling_params.custom_params
-    _check_custom_params_shape(custom)
-    if not custom or ENTROPIC_KEY not in custom:
-        return
+def request_controllers(sampling_params) -> tuple[Optional[ControllerState], Optional[MirostatState]]:
+    """The request's controller from `custom_params.entropic` (or none), or ValueError naming the field.
+
+    The HTTP process calls it to validate (HTTP 400); the scheduler calls it again to build the
+    state, so both check exactly the same things.
+    """
+    overrides = (sampling_params.custom_params or {}).get(ENTROPIC_KEY)
+    if overrides is None:
+        return None, None
     if not _config.sampling_on:
         raise ValueError(
             f"custom_params.entropic: entropic sampling is not enabled on this server (mode={_config.mode})"
         )
-    cfg = request_sampling_config(_config.sampling, custom[ENTROPIC_KEY])
+    cfg = request_sampling_config(_config.sampling, overrides)
     if sampling_params.top_k == 1:
         raise ValueError("custom_params.entropic: needs sampling; temperature 0 (greedy) leaves nothing to control")
-    if cfg.controller == "entropic" and cfg.t_init is None:
-        temp = sampling_params.temperature
-        if not cfg.t_min <= temp <= cfg.t_max:
-            raise ValueError(
-                f"temperature ({temp}) is the controller's start and must lie in "
-                f"[t_min, t_max] = [{cfg.t_min}, {cfg.t_max}]; set custom_params.entropic.t_init"
-            )
+    if cfg.controller == "mirostat_v2":
+        return None, MirostatState.from_config(cfg)
+    try:
+        return ControllerState.from_config(cfg, sampling_params.temperature), None
+    except ValueError as err:
+        raise ValueError(f"custom_params.entropic: {err}; or set custom_params.entropic.t_init") from None
+
+
+def _after_verify(result, sampling_params, *args, **kwargs):
+    _check_custom_params_shape(sampling_params.custom_params)
+    request_controllers(sampling_params)
 
 
 # ---------------------------------------------------------------------------- server info
@@ -193,25 +201,17 @@ _steps = 0  # forward batches so far: the scheduler's clock, identical on every 
 _metrics: Optional["EntropicMetrics"] = None  # scheduler process, with --enable-metrics
 
 
-def _new_request_state(sampling_params) -> RequestState:
+def _new_request_state(controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
     global _arrivals
     _arrivals += 1
-    state = RequestState(
+    return RequestState(
         trace=EntropyTrace(keep_lists=False),
         gain=GainEstimator(_config.scheduling),
         arrival_seq=_arrivals,
         arrival_step=_steps,
+        controller=controller,
+        mirostat=mirostat,
     )
-    overrides = (sampling_params.custom_params or {}).get(ENTROPIC_KEY)
-    if overrides is None or not _config.sampling_on:
-        return state
-    # Already validated in the HTTP process (HTTP 400); sgl.Engine callers reach here directly.
-    cfg = request_sampling_config(_config.sampling, overrides)
-    if cfg.controller == "entropic":
-        state.controller = ControllerState.from_config(cfg, sampling_params.temperature)
-    else:
-        state.mirostat = MirostatState.from_config(cfg)
-    return state
 
 
 def _after_create_generation_req(req, scheduler, *args, **kwargs):
@@ -226,13 +226,13 @@ def _after_create_generation_req(req, scheduler, *args, **kwargs):
         if scheduler.server_args.enable_metrics:
             _metrics = EntropicMetrics()
     try:
-        req.entropic = _new_request_state(req.sampling_params)
+        controllers = request_controllers(req.sampling_params)
     except ValueError as err:
-        # Only reachable through sgl.Engine, which skips the HTTP-side check: fail the request, not the server.
+        # Validated before in the tokenizer process; should a request get here unchecked, fail it, not the server.
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
-        req.sampling_params.custom_params = None
-        req.entropic = _new_request_state(req.sampling_params)
+        controllers = (None, None)
         req.set_finish_with_abort(str(err))
+    req.entropic = _new_request_state(*controllers)
     return req
 
 
@@ -307,9 +307,10 @@ class SamplingStep:
         if ctrl:
             idx = torch.tensor(ctrl, device=logits.device)
             z = logits.index_select(0, idx)
-            batch = ControllerBatch.from_rows([self.states[i].controller for i in ctrl], logits.device)
+            controllers = [self.states[i].controller for i in ctrl]
+            batch = ControllerBatch.from_rows(controllers, logits.device)
             new_t, _ = batch.step(z)
-            batch.write_back([self.states[i].controller for i in ctrl])
+            batch.write_back(controllers)
             logits.index_copy_(0, idx, z * (request_t[idx] / new_t).to(z.dtype)[:, None])
             for i, t in zip(ctrl, new_t.tolist()):
                 self.used_t[i] = t

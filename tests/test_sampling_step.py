@@ -3,6 +3,7 @@ parameters reach the sampler bit-for-bit unchanged; controlled rows are rescaled
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sgl_entropic import plugin
@@ -75,3 +76,22 @@ def test_a_fault_in_the_step_falls_back_to_plain_sampling(monkeypatch, caplog):
     result = plugin._around_sampler_forward(lambda *a, **k: "sampled", None, logits_output, None)
     assert result == "sampled"
     assert "sampled without control" in caplog.text
+
+
+def test_request_controllers_is_the_one_check(monkeypatch):
+    monkeypatch.setattr(plugin, "_config", EntropicConfig())
+
+    def params(entropic, temperature=1.0, top_k=50):
+        return SimpleNamespace(custom_params={"entropic": entropic}, temperature=temperature, top_k=top_k)
+
+    assert plugin.request_controllers(SimpleNamespace(custom_params=None)) == (None, None)
+    controller, mirostat = plugin.request_controllers(params({"target_entropy": 1.0}, temperature=0.7))
+    assert controller.temperature == 0.7 and mirostat is None
+    assert plugin.request_controllers(params({"controller": "mirostat_v2"}))[1].mu == 10.0
+    with pytest.raises(ValueError, match="t_init"):
+        plugin.request_controllers(params({"t_max": 1.5}, temperature=1.8))
+    with pytest.raises(ValueError, match="greedy"):
+        plugin.request_controllers(params({}, top_k=1))
+    monkeypatch.setattr(plugin, "_config", EntropicConfig(mode="scheduling"))
+    with pytest.raises(ValueError, match="not enabled"):
+        plugin.request_controllers(params({}))
