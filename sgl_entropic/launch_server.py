@@ -52,9 +52,6 @@ def build_config(mode: Optional[str], config_arg: Optional[str], parser: argpars
         config = EntropicConfig.model_validate(data)
     except ValidationError as err:
         parser.error(f"--entropic-config: {format_error(err)}")
-    if config.scheduling.decode_budget is not None:
-        # The selection exists (scheduling.select_decode); running a subset of the batch does not yet.
-        parser.error("--entropic-config: scheduling.decode_budget is not supported by the runtime yet")
     return config
 
 

@@ -9,7 +9,9 @@ registers nothing, so a plain `python -m sglang.launch_server` stays stock SGLan
 from __future__ import annotations
 
 import contextvars
+import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -17,7 +19,7 @@ import torch
 
 from sgl_entropic.config import EntropicConfig, request_sampling_config
 from sgl_entropic.sampling import ControllerBatch, ControllerState, MirostatBatch, MirostatState
-from sgl_entropic.scheduling import GainEstimator, RequestView, Scales, order_waiting
+from sgl_entropic.scheduling import GainEstimator, RequestView, Scales, order_waiting, select_decode
 from sgl_entropic.signal import EntropyTrace, ModelDims, step_cost, token_stats
 
 logger = logging.getLogger("sgl_entropic")
@@ -55,6 +57,8 @@ def _hooks() -> list[tuple[str, Callable, Any]]:
          _before_generate_request, HookType.BEFORE),
         # --- scheduler process
         ("sglang.srt.managers.scheduler.Scheduler.get_init_info", _after_get_init_info, HookType.AFTER),
+        # live per-request state and KV in use, for leak checks (GET /server_info -> internal_states)
+        ("sglang.srt.managers.scheduler.Scheduler.get_internal_state", _after_get_internal_state, HookType.AFTER),
         ("sglang.srt.managers.scheduler.Scheduler._create_generation_req", _after_create_generation_req, HookType.AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init, HookType.AFTER),
         ("sglang.srt.model_executor.model_runner.ModelRunner.sample", _around_model_runner_sample, HookType.AROUND),
@@ -63,6 +67,18 @@ def _hooks() -> list[tuple[str, Callable, Any]]:
         ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority", _after_calc_priority, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order",
          _around_retraction_order, HookType.AROUND),
+    ] + (_decode_budget_hooks() if _config.scheduling_on and _config.scheduling.decode_budget else [])
+
+
+def _decode_budget_hooks() -> list[tuple[str, Callable, Any]]:
+    """Token-level preemption: only the top-pi running requests decode a step (see DecodeSplit)."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    return [
+        ("sglang.srt.managers.scheduler.Scheduler.update_running_batch", _around_update_running_batch, HookType.AROUND),
+        ("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", _around_prepare_for_decode,
+         HookType.AROUND),
+        ("sglang.srt.managers.scheduler.Scheduler.run_batch", _after_run_batch, HookType.AFTER),
     ]
 
 
@@ -178,10 +194,40 @@ def _after_get_init_info(result, scheduler, *args, **kwargs):
     return result
 
 
+def _after_get_internal_state(result, scheduler, *args, **kwargs):
+    gc.collect()  # a finished Req may sit in a reference cycle until the next collection
+    allocator, tree_cache = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
+    # SGLang keeps finished requests referenced until its next step (last_batch), so a live state
+    # is a leak only when no request the scheduler still holds carries it.
+    held = {id(getattr(r, "entropic", None)) for r in _requests_held_by(scheduler)}
+    live = list(_live_states)
+    result.internal_state[ENTROPIC_KEY] = {
+        "live_request_states": len(live),
+        "leaked_request_states": sum(1 for state in live if id(state) not in held),
+        # KV held by requests (the radix cache's evictable prefix pages are not "held")
+        "kv_tokens_in_use": scheduler.max_total_num_tokens - allocator.available_size() - tree_cache.evictable_size(),
+        "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
+    }
+    return result
+
+
+def _requests_held_by(scheduler) -> list:
+    reqs = list(scheduler.waiting_queue) + [r for r in (scheduler.chunked_req,) if r is not None]
+    batches = [scheduler.running_batch, scheduler.last_batch, scheduler.cur_batch_for_debug]
+    # the overlap loop pins its last two launched batches, and a snapshot of their fields, until reused
+    for entry in getattr(scheduler, "batch_record_buf", None) or []:
+        if entry:
+            batches.append(entry[0])
+            reqs += [r for field in entry[1] if isinstance(field, list) for r in field if hasattr(r, "rid")]
+    for batch in batches:
+        reqs += batch.reqs if batch is not None else []
+    return reqs
+
+
 # ---------------------------------------------------------------------------- per-request state
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: tracked in a WeakSet
 class RequestState:
     """What the loops keep per request; lives on SGLang's Req as `req.entropic`."""
 
@@ -191,6 +237,8 @@ class RequestState:
     arrival_step: int
     controller: Optional[ControllerState] = None
     mirostat: Optional[MirostatState] = None
+    decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
+    parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
 
 
 _dims: Optional[ModelDims] = None  # the served model's shape, for the cost model
@@ -199,12 +247,13 @@ _kv_page_size = 1  # SGLang's KV page size (tokens per page)
 _arrivals = 0  # admission counter: the same on every TP rank (all ranks get the same requests)
 _steps = 0  # forward batches so far: the scheduler's clock, identical on every rank
 _metrics: Optional["EntropicMetrics"] = None  # scheduler process, with --enable-metrics
+_live_states: "weakref.WeakSet[RequestState]" = weakref.WeakSet()  # proof that finished requests free their state
 
 
 def _new_request_state(controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
     global _arrivals
     _arrivals += 1
-    return RequestState(
+    state = RequestState(
         trace=EntropyTrace(keep_lists=False),
         gain=GainEstimator(_config.scheduling),
         arrival_seq=_arrivals,
@@ -212,6 +261,8 @@ def _new_request_state(controller: Optional[ControllerState], mirostat: Optional
         controller=controller,
         mirostat=mirostat,
     )
+    _live_states.add(state)
+    return state
 
 
 def _after_create_generation_req(req, scheduler, *args, **kwargs):
@@ -346,6 +397,7 @@ class SamplingStep:
                 entropy=entropy[i] if valid[i] else None,
                 surprisal=surprisal[i] if valid[i] else None,
                 temperature=self.used_t[i],
+                parked=state.parked_before_token,
                 _entropic_time=trace.tau,
                 _entropic_efficiency=trace.efficiency,
             )
@@ -396,7 +448,7 @@ def _append_customized(req, **values) -> None:
 
 # ---------------------------------------------------------------------------- meta_info (main process)
 
-TRACE_KEYS = ("entropy", "surprisal", "temperature")
+TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked")
 
 
 def _after_update_request_meta_info(result, manager, meta_info, state, *args, **kwargs):
@@ -474,7 +526,7 @@ def _scheduling_views(reqs, running: bool) -> Optional[list[RequestView]]:
         st = r.entropic
         if running:
             # next step: one decode token over the whole context; KV: the pages it holds
-            cost, pages, waited = step_cost(_dims, r.seqlen) / 1e9, -(-r.seqlen // _kv_page_size), 0
+            cost, pages, waited = step_cost(_dims, r.seqlen) / 1e9, -(-r.seqlen // _kv_page_size), st.decode_skips
         else:
             # next step: the prefill of its uncached tokens; waiting counted in scheduler steps
             cost, pages, waited = SchedulePolicy._uncached_len(r) * decode_gflop, 0, _steps - st.arrival_step
@@ -506,3 +558,107 @@ def _around_retraction_order(original, reqs):
         return original(reqs)
     # SGLang retracts from the END of this list: most-preferred first, lowest pi last.
     return order_waiting(views, _config.scheduling, _scales)
+
+
+class DecodeSplit:
+    """The decode budget: when more than `decode_budget` requests are running, only the rows that
+    `select_decode` picks (top pi, plus every row parked for max_skip_steps - 1 steps) decode.
+
+    SGLang's own update_running_batch still filters and retracts on the whole running batch;
+    only its final prepare_for_decode is deferred, so that KV slots are allocated and sequence
+    lengths advanced for the decoding rows alone. Parked rows keep their KV and their last token
+    (SGLang relays it per request slot), and are merged back right after the forward is launched,
+    so SGLang sees one running batch again before it processes results or admits new requests.
+    Rows being aborted always decode, so their KV is freed at once.
+    """
+
+    def __init__(self, batch, mask: list[bool]):
+        self.decoding = _batch_subset(batch, [i for i, m in enumerate(mask) if m])
+        self.parked = _batch_subset(batch, [i for i, m in enumerate(mask) if not m])
+
+    def merged(self):
+        running = _batch_subset(self.decoding, None)
+        running.merge_batch(self.parked)
+        return running
+
+
+def _batch_subset(batch, keep: Optional[list[int]]):
+    """A new ScheduleBatch over some rows; filter/merge rebind tensors, so the source is unchanged."""
+    import copy
+
+    subset = copy.copy(batch)
+    subset.sampling_info = copy.copy(batch.sampling_info)
+    if keep is not None:
+        subset.filter_batch(keep_indices=keep)
+    return subset
+
+
+def _budget_supported(scheduler, batch) -> bool:
+    """Batches whose per-row state SGLang keeps outside the split-safe tensors are decoded whole."""
+    info = batch.sampling_info
+    return (
+        batch.spec_algorithm.is_none()
+        and batch.beam_tail is None
+        and batch.hisparse_coordinator is None
+        and not scheduler.require_mlp_sync
+        and not info.penalizer_orchestrator.is_required  # frequency/presence/min-tokens state is shared
+        and not info.has_custom_logit_processor
+        and info.watermark_candidates_host is None
+    )
+
+
+def _decode_mask(batch) -> Optional[list[bool]]:
+    views = _scheduling_views(batch.reqs, running=True)
+    if views is None:
+        return None
+    mask = select_decode(views, _config.scheduling, _scales)
+    return [m or r.to_finish is not None for m, r in zip(mask, batch.reqs)]
+
+
+_defer_prepare = False  # set while SGLang's update_running_batch runs under the decode budget
+_split: Optional[DecodeSplit] = None  # this step's split, until the forward is launched
+
+
+def _around_prepare_for_decode(original, batch):
+    if _defer_prepare:
+        return None
+    return original(batch)
+
+
+def _around_update_running_batch(original, scheduler, batch):
+    global _defer_prepare, _split
+    _defer_prepare = True
+    try:
+        ret = original(scheduler, batch)
+    finally:
+        _defer_prepare = False
+    if ret is None or ret.is_empty():
+        return ret
+    split = None
+    try:
+        mask = _decode_mask(ret) if _budget_supported(scheduler, ret) else None
+        if mask is not None and not all(mask):
+            split = DecodeSplit(ret, mask)
+            for req, decodes in zip(ret.reqs, mask):
+                st = req.entropic
+                if decodes:
+                    st.parked_before_token, st.decode_skips = st.decode_skips, 0
+                else:
+                    st.decode_skips += 1
+    except Exception:
+        logger.exception("sgl-entropic: decode budget failed; this step decodes the whole batch")
+        split = None
+    if split is None:
+        ret.prepare_for_decode()
+        return ret
+    split.decoding.prepare_for_decode()
+    _split = split
+    return split.decoding
+
+
+def _after_run_batch(result, scheduler, batch, *args, **kwargs):
+    global _split
+    split, _split = _split, None
+    if split is not None:
+        scheduler.running_batch = split.merged()
+    return result
