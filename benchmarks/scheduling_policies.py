@@ -9,7 +9,12 @@ chat template and --max-running-requests):
   baselines  `sgl_entropic.launch_server --entropic off --schedule-policy {fcfs|lpm|hrrn}`: our
              launcher with every loop off, i.e. stock SGLang's runtime plus the signal recording;
   entropic   `sgl_entropic.launch_server --entropic scheduling` (SGLang's fcfs underneath, the macro
-             loop re-orders the waiting queue and the decode retraction order).
+             loop re-orders the waiting queue and the decode retraction order);
+  entropic-budget  the same plus `scheduling.decode_budget` (--decode-budget, default half of
+             --max-running-requests): only the top-pi running requests decode each step, every
+             request at least once per max_skip_steps steps (token-level preemption).
+With --rounds N the whole comparison repeats N times, the policy order rotated by one each round;
+latency and TTFT are pooled over the rounds, throughput is the mean of the rounds.
 `GET /server_info` is checked: `entropic.active_loops` has "scheduling" for entropic only, and
 `schedule_policy` / `max_running_requests` are what was asked.
 
@@ -32,7 +37,7 @@ SSE chunk carrying a generated token) as mean / p50 / p99 (linear interpolation;
 p99 is close to the maximum), and throughput = completion tokens / (last finish - first send).
 Then entropic's relative change against each baseline, and where it loses.
 
-    .venv/bin/python benchmarks/scheduling_policies.py                  # 48 requests, 4 policies
+    .venv/bin/python benchmarks/scheduling_policies.py --rounds 2       # 48 requests, 5 policies, twice
     .venv/bin/python benchmarks/scheduling_policies.py --quick          # tiny smoke run
 """
 
@@ -69,8 +74,10 @@ from common import (  # noqa: E402
 )
 
 ENTROPIC = "entropic"
+ENTROPIC_BUDGET = "entropic-budget"  # the macro loop plus the token-level decode budget
+VARIANTS = (ENTROPIC, ENTROPIC_BUDGET)
 # SGLang 0.5.23's --schedule-policy choices, plus ours (the macro loop over fcfs)
-POLICIES = ("fcfs", "lpm", "hrrn", "dfs-weight", "shortest-prefill-first", "lof", "random", ENTROPIC)
+POLICIES = ("fcfs", "lpm", "hrrn", "dfs-weight", "shortest-prefill-first", "lof", "random", *VARIANTS)
 RETRACT_LOG = "KV cache pool is full. Retract requests."
 
 QUESTIONS = [
@@ -332,6 +339,24 @@ def policy_stats(recs: list[dict]) -> dict:
     }
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One policy over several rounds: latency and TTFT over all requests pooled; throughput the
+    mean of the rounds (each round has its own time span), with the per-round values kept."""
+    if len(runs) == 1:
+        return runs[0]
+    out = policy_stats([r for run in runs for r in run["requests"]])
+    out.update(
+        throughput_tok_s=mean([run["throughput_tok_s"] for run in runs]),
+        throughput_rounds=[run["throughput_tok_s"] for run in runs],
+        span_s=mean([run["span_s"] for run in runs]),
+        peak_in_flight=max(run["peak_in_flight"] for run in runs),
+        retractions_logged=sum(run["retractions_logged"] for run in runs),
+        server=runs[0]["server"], server_command=runs[0]["server_command"],
+        startup_s=[run["startup_s"] for run in runs], requests=[r for run in runs for r in run["requests"]],
+    )
+    return out
+
+
 def rel(x: float, ref: float) -> float:
     return x / ref - 1 if ref and ref == ref and x == x else float("nan")
 
@@ -348,13 +373,18 @@ METRICS = [  # (label, getter, lower is better)
 
 
 def comparisons(stats: dict[str, dict]) -> dict[str, dict]:
-    """Entropic relative to each baseline; `better` is oriented (True = entropic wins that metric)."""
-    if ENTROPIC not in stats:
-        return {}
-    e = stats[ENTROPIC]
+    """Each entropic variant relative to each baseline, keyed "variant vs baseline"; `better` is
+    oriented (True = the entropic variant wins that metric)."""
+    out = {}
+    for variant in (v for v in VARIANTS if v in stats):
+        out.update({f"{variant} vs {name}": c for name, c in _compare(stats[variant], stats).items()})
+    return out
+
+
+def _compare(e: dict, stats: dict[str, dict]) -> dict[str, dict]:
     out = {}
     for name, b in stats.items():
-        if name == ENTROPIC:
+        if name in VARIANTS:
             continue
         rows = {}
         for label, get, lower in METRICS:
@@ -371,26 +401,31 @@ def comparisons(stats: dict[str, dict]) -> dict[str, dict]:
 # ---------------------------------------------------------------------------- servers
 
 
-def server_command(policy: str, port: int, common: list[str]) -> list[str]:
+def server_command(policy: str, port: int, common: list[str], decode_budget: int) -> list[str]:
     if policy == ENTROPIC:
         return ours_command(port, common, mode="scheduling")  # --schedule-policy stays SGLang's default, fcfs
+    if policy == ENTROPIC_BUDGET:
+        return ours_command(port, common, mode="scheduling", config={"scheduling": {"decode_budget": decode_budget}})
     return ours_command(port, common + ["--schedule-policy", policy], mode="off")
 
 
-def check_server(policy: str, info: dict, max_running: int) -> dict:
+def check_server(policy: str, info: dict, max_running: int, decode_budget: int) -> dict:
     ent = info.get("entropic") or {}
     loops = ent.get("active_loops") or []
     if not ent.get("plugin_loaded_in_scheduler"):
         raise RuntimeError(f"{policy}: plugin not loaded in the scheduler: {ent!r}")
-    if (policy == ENTROPIC) != ("scheduling" in loops):
+    if (policy in VARIANTS) != ("scheduling" in loops):
         raise RuntimeError(f"{policy}: entropic.active_loops = {loops!r} (scheduling must be on for entropic only)")
-    want = "fcfs" if policy == ENTROPIC else policy
+    budget = (ent.get("config") or {}).get("scheduling", {}).get("decode_budget")
+    if budget != (decode_budget if policy == ENTROPIC_BUDGET else None):
+        raise RuntimeError(f"{policy}: scheduling.decode_budget is {budget!r}")
+    want = "fcfs" if policy in VARIANTS else policy
     if info.get("schedule_policy") != want:
         raise RuntimeError(f"{policy}: server runs schedule_policy {info.get('schedule_policy')!r}, wanted {want!r}")
     if info.get("max_running_requests") not in (None, max_running):
         raise RuntimeError(f"{policy}: max_running_requests {info.get('max_running_requests')!r} != {max_running}")
     return {"mode": ent.get("mode"), "active_loops": loops, "schedule_policy": info.get("schedule_policy"),
-            "max_running_requests": info.get("max_running_requests")}
+            "max_running_requests": info.get("max_running_requests"), "decode_budget": budget}
 
 
 def warm_up(url: str, timeout_s: float) -> None:
@@ -407,9 +442,9 @@ def warm_up(url: str, timeout_s: float) -> None:
 
 def run_policy(policy: str, args, common: list[str], workload: list[dict]) -> dict:
     port = free_port()
-    cmd = server_command(policy, port, common)
+    cmd = server_command(policy, port, common, args.decode_budget)
     with start_server(f"sched-{policy}", cmd, port, server_env(args.device, stock=False), args.startup_timeout) as srv:
-        checked = check_server(policy, srv.info(), args.max_running_requests)
+        checked = check_server(policy, srv.info(), args.max_running_requests, args.decode_budget)
         warm_up(srv.url, args.timeout)
         log_line(f"{policy}: replaying {len(workload)} requests at {args.rate:g}/s ...")
         recs = replay(srv.url, workload, args.timeout)
@@ -445,14 +480,15 @@ def tables(res: dict, args) -> str:
     lines = [main, "", "By request kind (latency and TTFT in s):", "", kinds]
     if comp:
         labels = [m[0] for m in METRICS]
-        lines += ["", "Entropic relative to each baseline (negative latency / positive throughput = entropic better):", "",
-                  markdown_table(["vs"] + labels + ["claim met"],
+        lines += ["", "Each entropic variant relative to each baseline (negative latency / positive throughput = "
+                  "entropic better):", "",
+                  markdown_table(["comparison"] + labels + ["claim met"],
                                  [[b] + [f"{c['metrics'][l]['rel']:+.1%}" for l in labels] + ["yes" if c["claim_met"] else "no"]
                                   for b, c in comp.items()]), ""]
         for b, c in comp.items():
             worse = [l for l in labels if c["metrics"][l]["better"] is False]
             better = [l for l in labels if c["metrics"][l]["better"] is True]
-            lines.append(f"- vs {b}: entropic loses on {', '.join(worse) or 'nothing'}; wins on {', '.join(better) or 'nothing'}.")
+            lines.append(f"- {b}: loses on {', '.join(worse) or 'nothing'}; wins on {', '.join(better) or 'nothing'}.")
         lines.append("- claim (paper): mean latency -10..15 % and throughput +12..18 % vs baselines; "
                      "'claim met' = mean latency <= -10 % and throughput >= +12 %.")
     if any(s["peak_in_flight"] <= args.max_running_requests for s in stats.values()):
@@ -478,7 +514,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=None,
                     help="sglang --max-running-requests for every server (default 4; quick 2): small, so a queue forms")
     ap.add_argument("--policies", default=None,
-                    help=f"comma list, run in this order (default fcfs,lpm,hrrn,entropic; quick fcfs,entropic); "
+                    help=f"comma list, run in this order (default fcfs,lpm,hrrn,entropic,entropic-budget; quick "
+                         f"fcfs,entropic); "
                          f"choices: {','.join(POLICIES)}")
     ap.add_argument("--seed", type=int, default=1234, help="seeds the request mix and the arrival times")
     ap.add_argument("--max-new-tokens", default=None,
@@ -497,11 +534,16 @@ def main(argv=None) -> int:
                     "(repeatable; use --server-arg=--flag --server-arg=value)")
     ap.add_argument("--timeout", type=float, default=600, help="per-request timeout (s)")
     ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the whole comparison; each round rotates the policy order by one (server order "
+                         "and machine drift then hit every policy alike)")
+    ap.add_argument("--decode-budget", type=int, default=None,
+                    help="scheduling.decode_budget of entropic-budget (default: half of --max-running-requests)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run: 6 requests, 8-16 tokens, fcfs vs entropic")
     args = ap.parse_args(argv)
     quick = {"requests": 6, "rate": 2.0, "max_running_requests": 2, "policies": "fcfs,entropic",
              "max_new_tokens": "8,16", "doc_tokens": (100, 300)}
-    full = {"requests": 48, "rate": 1.0, "max_running_requests": 4, "policies": "fcfs,lpm,hrrn,entropic",
+    full = {"requests": 48, "rate": 1.0, "max_running_requests": 4, "policies": "fcfs,lpm,hrrn,entropic,entropic-budget",
             "max_new_tokens": "16,32,64,96,128", "doc_tokens": (300, 800)}
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
@@ -512,6 +554,10 @@ def main(argv=None) -> int:
     bad = [p for p in args.policies if p not in POLICIES]
     if bad or len(set(args.policies)) != len(args.policies) or not args.policies:
         ap.error(f"--policies: unknown or repeated {bad or args.policies}; choices {','.join(POLICIES)}")
+    if args.decode_budget is None:
+        args.decode_budget = max(1, args.max_running_requests // 2)
+    if args.rounds < 1 or args.decode_budget < 1:
+        ap.error("--rounds and --decode-budget must be >= 1")
     if args.requests < 1 or args.rate <= 0 or args.max_running_requests < 1 or min(args.max_new_tokens, default=0) < 1:
         ap.error("--requests, --rate, --max-running-requests and --max-new-tokens must be positive")
 
@@ -526,8 +572,14 @@ def main(argv=None) -> int:
              f"{sum(w['kind'] == 'long' for w in workload)} long, {sum(w['sampled'] for w in workload)} sampled, "
              f"{sum(w['payload']['sampling_params']['max_new_tokens'] for w in workload)} max new tokens in all")
 
-    stats = {p: run_policy(p, args, common, workload) for p in args.policies}
-    res = {"policies": stats, "comparisons": comparisons(stats)}
+    rounds = []
+    for r in range(args.rounds):
+        order = args.policies[r % len(args.policies):] + args.policies[: r % len(args.policies)]
+        log_line(f"round {r + 1}/{args.rounds}: {', '.join(order)}")
+        rounds.append({p: run_policy(p, args, common, workload) for p in order})
+    stats = {p: pooled([rd[p] for rd in rounds]) for p in args.policies}
+    res = {"policies": stats, "comparisons": comparisons(stats),
+           "rounds": [{p: {k: v for k, v in st.items() if k != "requests"} for p, st in rd.items()} for rd in rounds]}
     out = {"benchmark": "scheduling_policies", "args": vars(args), "environment": environment(),
            "workload": [{k: v for k, v in w.items() if k != "payload"} | {"sampling_params": w["payload"]["sampling_params"]}
                         for w in workload], **res}
@@ -537,8 +589,10 @@ def main(argv=None) -> int:
           f"{args.doc_tokens[1]} filler tokens, {sum(w['sampled'] for w in workload)} sampled at T={args.temperature:g}, "
           f"max_new_tokens in {{{','.join(map(str, args.max_new_tokens))}}}, "
           f"{'ignore_eos' if args.eos == 'ignore' else 'stop at EOS'}), Poisson arrivals at {args.rate:g}/s (seed "
-          f"{args.seed}), --max-running-requests {args.max_running_requests}, {args.dtype} on {args.device}, one "
-          f"server per policy, one run each: differences of a few % are within run-to-run noise on a shared CPU.\n")
+          f"{args.seed}), --max-running-requests {args.max_running_requests}, entropic-budget decodes at most "
+          f"{args.decode_budget} per step, {args.dtype} on {args.device}, one server per policy and round, "
+          f"{args.rounds} round(s) in rotated order: differences of a few % are within run-to-run noise on a "
+          f"shared CPU.\n")
     print(tables(res, args))
     print(f"\nJSON: {path}")
     return 0
