@@ -29,7 +29,8 @@ CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+    # strict: a bool or a numeric string is a wrong type, not silently 1.0 / 0.3 (ints still pass as floats)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True, strict=True)
 
 
 class SamplingConfig(_Section):
