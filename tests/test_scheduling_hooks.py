@@ -64,3 +64,19 @@ def test_stock_order_when_scheduling_is_off(monkeypatch):
     plugin._after_calc_priority(None, None, queue)
     assert [r.rid for r in queue] == ["a", "b"]
     assert plugin._around_retraction_order(lambda reqs: "stock", queue) == "stock"
+
+
+def test_decode_budget_keeps_uncertain_rows_then_forces_parked_and_aborting_ones(monkeypatch, scheduling_on):
+    cfg = EntropicConfig(mode="scheduling", scheduling={"decode_budget": 1, "max_skip_steps": 3})
+    monkeypatch.setattr(plugin, "_config", cfg)
+    uncertain = _req("uncertain", 100, 1, entropies=[4.0, 2.5, 3.8, 1.9, 3.5], output_len=5)
+    resolved = _req("resolved", 100, 2, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
+    aborting = _req("aborting", 100, 3, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
+    for r in (uncertain, resolved, aborting):
+        r.to_finish = None
+    batch = SimpleNamespace(reqs=[uncertain, resolved, aborting])
+    assert plugin._decode_mask(batch) == [True, False, False]
+
+    aborting.to_finish = "abort"  # an aborted row decodes at once, so its KV is freed
+    resolved.entropic.decode_skips = 2  # parked max_skip_steps - 1 steps: must decode now
+    assert plugin._decode_mask(batch) == [False, True, True]
