@@ -172,8 +172,20 @@ def request_controllers(sampling_params) -> tuple[Optional[ControllerState], Opt
         raise ValueError(f"custom_params.entropic: {err}; or set custom_params.entropic.t_init") from None
 
 
+# Beyond this a bias (divided by a temperature below 1) overflows float32 to +inf; SGLang's sampler
+# then raises on the row (torch.multinomial) and takes the scheduler down. Refused up front instead.
+LOGIT_BIAS_LIMIT = 1e30
+
+
+def _check_logit_bias(logit_bias: Any) -> None:
+    for token, bias in (logit_bias or {}).items():
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias.{token}: must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+
+
 def _after_verify(result, sampling_params, *args, **kwargs):
     _check_custom_params_shape(sampling_params.custom_params)
+    _check_logit_bias(sampling_params.logit_bias)
     request_controllers(sampling_params)
 
 
@@ -314,6 +326,7 @@ def _around_model_runner_sample(original, runner, logits_output, forward_batch, 
         return original(runner, logits_output, forward_batch, *args, **kwargs)
     finally:
         _forward_batch = None
+        forward_batch.entropic_rows = None  # SGLang may keep the batch; it must not keep finished requests
 
 
 def _around_sampler_forward(original, sampler, logits_output, sampling_info, *args, **kwargs):

@@ -40,8 +40,9 @@ class Server:
 
 
 # Shared by our server and the stock one: fp32 so that values compare with transformers to 1e-3,
-# small prefill chunks so that long prompts exercise chunked prefill.
-COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256"]
+# small prefill chunks so that long prompts exercise chunked prefill; an idle scheduler sleeps
+# instead of spinning a core (two servers are up at once on a 2-core CI machine).
+COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle"]
 
 
 def start_server(cmd: list[str], log: Path, env: dict | None = None) -> Server:
