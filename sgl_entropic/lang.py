@@ -10,6 +10,7 @@ field); the server validates them again, merged over its own defaults.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import sglang as sgl
@@ -35,6 +36,11 @@ def gen(name: Optional[str] = None, **kwargs: Any):
         SamplingConfig.model_validate(entropic)
     except ValidationError as err:
         raise ValueError(format_error(err, prefix="sgl_entropic.gen")) from None
+    if kwargs.get("choices") is not None:
+        # sgl.gen(choices=...) scores each choice instead of sampling: there is no T to control.
+        if entropic:
+            raise ValueError("sgl_entropic.gen: choices are scored, not sampled; entropic keywords do not apply")
+        return sgl.gen(name, **kwargs)
     plugin.install_frontend_hooks()
     expr = sgl.gen(name, **kwargs)
     expr.sampling_params.entropic = entropic
@@ -48,17 +54,22 @@ class EngineBackend(BaseBackend):
         super().__init__()
         self.engine = engine
         self.chat_template = get_chat_template(chat_template)
+        # sgl.Engine.generate drives the engine's one event loop with run_until_complete, which
+        # fails ("already running") if two threads call it at once, as fork branches and
+        # run_batch do: their calls take turns here.
+        self._engine_lock = threading.Lock()
         plugin.install_frontend_hooks()
 
     def get_chat_template(self):
         return self.chat_template
 
     def generate(self, s, sampling_params):
-        out = self.engine.generate(
-            prompt=s.text_,
-            sampling_params=sampling_params.to_srt_kwargs(),
-            return_entropy=plugin.is_entropic(sampling_params),
-        )
+        with self._engine_lock:
+            out = self.engine.generate(
+                prompt=s.text_,
+                sampling_params=sampling_params.to_srt_kwargs(),
+                return_entropy=plugin.is_entropic(sampling_params),
+            )
         return out["text"], out["meta_info"]
 
     def generate_stream(self, s, sampling_params):
