@@ -20,9 +20,9 @@ import torch
 from sgl_entropic import plugin
 from sgl_entropic.config import EntropicConfig, PruningConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
-from sgl_entropic.scheduling import GainEstimator
-from sgl_entropic.signal import EntropyTrace, ModelDims, entropy_exact
+from sgl_entropic.signal import ModelDims, entropy_exact
 from tests.conftest import ROOT
+from tests.test_sampling_step import _req  # a request as SamplingStep sees it
 
 # ============================================================================ 3. numerical faults
 # SamplingStep on real tensors, exactly as the Sampler.forward hook drives it: __init__ (controller
@@ -41,18 +41,6 @@ def loop(monkeypatch):
     monkeypatch.setattr(plugin, "_config", EntropicConfig())
     monkeypatch.setattr(plugin, "_dims", ModelDims(2, 2, 1, 4, 100.0))
     monkeypatch.setattr(plugin, "_metrics", None)
-
-
-def _req(controller=None, mirostat=None):
-    state = plugin.RequestState(
-        trace=EntropyTrace(keep_lists=False),
-        gain=GainEstimator(SchedulingConfig()),
-        arrival_seq=0,
-        arrival_step=0,
-        controller=controller,
-        mirostat=mirostat,
-    )
-    return SimpleNamespace(entropic=state, customized_info=None)
 
 
 def _controller(request_t=1.0, **cfg):
