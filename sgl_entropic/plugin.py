@@ -621,6 +621,8 @@ def _budget_supported(scheduler, batch) -> bool:
 
 
 def _decode_mask(batch) -> Optional[list[bool]]:
+    if len(batch.reqs) <= _config.scheduling.decode_budget:
+        return None  # everyone decodes: no need to price the rows every step
     views = _scheduling_views(batch.reqs, running=True)
     if views is None:
         return None
