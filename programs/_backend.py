@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import os
 import statistics
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import sglang as sgl
 from sglang.lang.backend.base_backend import BaseBackend
@@ -22,6 +22,13 @@ def parser(description: Optional[str]) -> argparse.ArgumentParser:
     p.add_argument("--url", default=DEFAULT_URL, help="our server (default: %(default)s, from $SGLANG_ENTROPIC_URL if set)")
     p.add_argument("--engine", action="store_true", help="run on an in-process sgl_entropic.Engine instead")
     return p
+
+
+def run_from_args(description: Optional[str], run: Callable[[BaseBackend], dict]) -> dict:
+    """A program's command line: parse --url / --engine, then run it on that backend."""
+    args = parser(description).parse_args()
+    with backend_from_args(args) as backend:
+        return run(backend)
 
 
 def endpoint(url: str) -> sgl.RuntimeEndpoint:

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # `python programs/agent.py`: make the `programs`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import sgl_entropic
-from programs._backend import backend_from_args, format_summary, parser, trace_summary
+from programs._backend import format_summary, run_from_args, trace_summary
 
 MAX_STEPS = 3
 THOUGHT_PARAMS = {"target_entropy": 1.0}
@@ -192,9 +192,7 @@ def run(backend, tasks: list[Task] = TASKS, thought_params: dict = THOUGHT_PARAM
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
-    with backend_from_args(args) as backend:
-        result = run(backend)
+    result = run_from_args(__doc__, run)
     for task in result["tasks"]:
         verdict = "OK  " if task["success"] else "FAIL"
         print(f"\n{verdict} {task['question']}  expected {task['expected']!r}, answered {task['answer']!r}"

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python programs/chat.py`: make the `programs` 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import sgl_entropic
-from programs._backend import backend_from_args, format_summary, parser, trace_summary
+from programs._backend import format_summary, run_from_args, trace_summary
 
 REPLY_PARAMS = {"target_entropy": 1.5}
 
@@ -149,9 +149,7 @@ def run(backend, users: dict[str, list[Turn]] = USERS, reply_params: dict = REPL
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
-    with backend_from_args(args) as backend:
-        result = run(backend)
+    result = run_from_args(__doc__, run)
     for turn in result["turns"]:
         print(f"\n[{turn['user']}] {turn['question']}\n  -> {turn['reply']}")
         print(f"  prompt {turn['prompt_tokens']} tok, cached {turn['cached_tokens']}"

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # `python programs/extract.py`: make the `program
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import sgl_entropic
-from programs._backend import backend_from_args, format_summary, parser, trace_summary
+from programs._backend import format_summary, run_from_args, trace_summary
 
 EXTRACTION_PARAMS = {"target_entropy": 0.5}
 
@@ -92,9 +92,7 @@ def run(backend, documents=DOCUMENTS, extraction_params: dict = EXTRACTION_PARAM
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
-    with backend_from_args(args) as backend:
-        result = run(backend)
+    result = run_from_args(__doc__, run)
     for item in result["documents"]:
         print(f"\n{item['document']}\n  -> {item['output']}")
         status = "valid" if item["valid"] else f"INVALID ({item['error']})"

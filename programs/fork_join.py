@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python programs/fork_join.py`: make the `progr
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import sgl_entropic
-from programs._backend import backend_from_args, format_summary, parser, trace_summary
+from programs._backend import format_summary, run_from_args, trace_summary
 
 TARGET_ENTROPIES = (0.5, 1.5, 3.0)
 QUESTIONS = {  # question: the word a correct answer contains
@@ -78,9 +78,7 @@ def run(backend, questions: dict[str, str] = QUESTIONS, target_entropies=TARGET_
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
-    with backend_from_args(args) as backend:
-        result = run(backend)
+    result = run_from_args(__doc__, run)
     for item in result["questions"]:
         print(f"\n{item['question']}  (expected {item['expected']!r}, {item['seconds']:.1f} s)")
         for i, cand in enumerate(item["candidates"]):
