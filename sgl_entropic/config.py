@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+ATTENTION_BACKEND = "entropic"  # the meso loop's attention backend, registered by the plugin
+
 Mode = Literal["off", "sampling", "scheduling", "pruning", "full"]
 MODES: tuple[str, ...] = ("off", "sampling", "scheduling", "pruning", "full")
 
@@ -100,6 +102,10 @@ class PruningConfig(_Section):
     entropy_floor: float = Field(0.0, ge=0.0, le=20.0)
     min_context: int = Field(1024, ge=0, le=10_000_000)
     dense_layers: int = Field(0, ge=0, le=1024)
+    aggregate: Literal["max", "mean", "sum"] = "max"
+    reference_entropy: Optional[float] = Field(
+        None, gt=0.0, le=20.0, description="H_ref (nats) where the keep ratio reaches max; None: ln(V) / 2 of the model"
+    )
 
     @model_validator(mode="after")
     def _ratios(self) -> "PruningConfig":
@@ -130,8 +136,9 @@ class EntropicConfig(_Section):
 
     @property
     def active_loops(self) -> list[str]:
-        """What the runtime really runs for this mode (the meso loop is not wired in yet)."""
-        return ["signal"] + [name for name, on in (("sampling", self.sampling_on), ("scheduling", self.scheduling_on)) if on]
+        """What the runtime runs for this mode."""
+        loops = (("sampling", self.sampling_on), ("scheduling", self.scheduling_on), ("pruning", self.pruning_on))
+        return ["signal"] + [name for name, on in loops if on]
 
     def to_env(self) -> str:
         return self.model_dump_json()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from sgl_entropic.config import CONFIG_ENV, EntropicConfig
+from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, EntropicConfig
 
 
 def Engine(entropic: str = "full", entropic_config: Optional[dict[str, Any]] = None, **engine_kwargs: Any):
@@ -29,6 +29,12 @@ def Engine(entropic: str = "full", entropic_config: Optional[dict[str, Any]] = N
 
         if not torch.cuda.is_available():
             engine_kwargs["device"] = "cpu"
+    if config.pruning_on:
+        chosen = engine_kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
+        if chosen != ATTENTION_BACKEND:
+            raise ValueError(f"entropic={entropic!r} prunes attention in the {ATTENTION_BACKEND!r} backend, "
+                             f"not {chosen!r}")
+        engine_kwargs.setdefault("disable_cuda_graph", True)  # the decode plan changes every step
     from sgl_entropic.cpu import apply_cpu_environment
 
     apply_cpu_environment(engine_kwargs.get("device", "cuda"))

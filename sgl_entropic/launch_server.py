@@ -15,7 +15,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from sgl_entropic.config import CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
+from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
 
 # Applied only when the user did not pass the flag themselves.
 BUNDLED_MODEL_DEFAULTS = {
@@ -72,6 +72,19 @@ def map_schedule_policy(rest: list[str], config: EntropicConfig, parser: argpars
     return out + ["--schedule-policy", "fcfs"]
 
 
+def select_attention_backend(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
+    """The meso loop is an attention backend: `entropic` (FlashInfer on CUDA, torch_native on CPU)."""
+    if not config.pruning_on:
+        return rest
+    chosen = _flag_value(rest, "--attention-backend")
+    if chosen is not None and chosen != ATTENTION_BACKEND:
+        parser.error(f"--entropic {config.mode} prunes attention in the {ATTENTION_BACKEND!r} backend; "
+                     f"drop --attention-backend {chosen} (or use --entropic sampling|scheduling)")
+    out = list(rest) if chosen else rest + ["--attention-backend", ATTENTION_BACKEND]
+    # the decode plan changes every step, which CUDA graphs cannot replay (no-op on CPU)
+    return out if _has_flag(out, "--disable-cuda-graph") else out + ["--disable-cuda-graph"]
+
+
 def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
@@ -112,6 +125,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     own, rest = parser.parse_known_args(argv)
     config = build_config(own.entropic, own.entropic_config, parser)
     rest = map_schedule_policy(rest, config, parser)
+    rest = select_attention_backend(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()
 
@@ -132,8 +146,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"model={server_args.model_path}, listening on http://{server_args.host}:{server_args.port}",
         flush=True,
     )
-    if config.pruning_on:
-        print("sgl-entropic: the pruning loop is not wired into attention yet; decode stays dense", flush=True)
     try:
         run_server(server_args)
     finally:

@@ -305,6 +305,58 @@ def block_select(
     return block_select_reference(surprisal, lengths, keep_counts, page_size, sink, recent, aggregate)
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What each row of a decode batch attends: row r reads positions[indptr[r]:indptr[r + 1]].
+
+    positions are ascending token positions of the row's context; kept_tokens[r] and
+    context_lens[r] are their count and the context length (host ints, for accounting).
+    """
+
+    indptr: torch.Tensor  # int64 [B + 1]
+    positions: torch.Tensor  # int64 [sum(kept_tokens)]
+    kept_tokens: list[int]
+    context_lens: list[int]
+
+    @property
+    def prunes(self) -> bool:
+        return any(k < c for k, c in zip(self.kept_tokens, self.context_lens))
+
+    def stats(self, row: int, page_size: int) -> "PruneStats":
+        n = num_blocks(self.context_lens[row], page_size)
+        kept = self.positions[self.indptr[row] : self.indptr[row + 1]]
+        kept_blocks = int(torch.unique(kept // page_size).numel()) if kept.numel() else 0
+        return PruneStats(kept_blocks, n, self.kept_tokens[row], self.context_lens[row])
+
+
+def plan_decode(
+    surprisal: torch.Tensor,
+    lengths: torch.Tensor,
+    entropies: Sequence[float],
+    cfg: PruningConfig,
+    reference_entropy: float = DEFAULT_REFERENCE_ENTROPY,
+) -> DecodePlan:
+    """The kept token positions of a decode batch, one launch of `block_select` for all rows.
+
+    surprisal `[B, T]` holds each row's token surprisals (values past lengths[r] ignored),
+    entropies the rows' current H_t. Equals, row by row, `kept_token_indices(select_blocks(...))`.
+    """
+    batch, width = surprisal.shape
+    lens_host = [int(x) for x in lengths.tolist()]
+    _, keep = plan_keep_counts(lens_host, entropies, cfg, reference_entropy)
+    _, kept = block_select(
+        surprisal, lengths, keep.to(surprisal.device), cfg.page_size, cfg.sink_blocks, cfg.recent_blocks, cfg.aggregate
+    )
+    device = surprisal.device
+    token_kept = kept.repeat_interleave(cfg.page_size, dim=1)[:, :width]
+    token_kept &= torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
+    counts = token_kept.sum(dim=1)
+    indptr = torch.zeros(batch + 1, dtype=torch.long, device=device)
+    indptr[1:] = counts.cumsum(0)
+    positions = token_kept.nonzero()[:, 1]  # row-major: grouped by row, ascending within a row
+    return DecodePlan(indptr, positions, counts.tolist(), lens_host)
+
+
 def _check_scores(scores: torch.Tensor, context_len: int, page_size: int) -> int:
     n = num_blocks(context_len, page_size)
     if scores.dim() != 1 or scores.shape[0] != n:

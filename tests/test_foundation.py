@@ -19,7 +19,7 @@ def test_plugin_reports_itself_from_the_scheduler(server):
     assert entropic["plugin_loaded_in_scheduler"] is True
     assert entropic["hooks_applied"] is True, entropic["hooks_missing"]
     assert entropic["mode"] == "full"
-    assert entropic["active_loops"] == ["signal", "sampling", "scheduling"]
+    assert entropic["active_loops"] == ["signal", "sampling", "scheduling", "pruning"]
     assert entropic["config"]["sampling"]["target_entropy"] == 2.0
 
 

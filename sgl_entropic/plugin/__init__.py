@@ -38,7 +38,27 @@ def register() -> None:
 
     for target, hook, hook_type in _hooks():
         HookRegistry.register(target, hook, hook_type)
+    if _config.pruning_on:
+        _register_attention_backend()
     logger.info("sgl-entropic registered (mode=%s)", _config.mode)
+
+
+def _register_attention_backend() -> None:
+    """`--attention-backend entropic` (the launcher passes it for pruning|full)."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from sgl_entropic.plugin import attention
+
+    if attention.BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:  # the list SGLang's argparse reads
+        ATTENTION_BACKEND_CHOICES.append(attention.BACKEND_NAME)
+
+    @register_attention_backend(attention.BACKEND_NAME)
+    def _create(model_runner):
+        global _surprisal_store
+        backend = attention.create_backend(model_runner, _config.pruning)
+        _surprisal_store = backend.planner.store
+        return backend
 
 
 def _hooks() -> list[tuple[str, Callable, Any]]:
@@ -67,7 +87,11 @@ def _hooks() -> list[tuple[str, Callable, Any]]:
         ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority", _after_calc_priority, HookType.AFTER),
         ("sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order",
          _around_retraction_order, HookType.AROUND),
-    ] + (_decode_budget_hooks() if _config.scheduling_on and _config.scheduling.decode_budget else [])
+    ] + (_decode_budget_hooks() if _config.scheduling_on and _config.scheduling.decode_budget else []) + (
+        # meso loop: prompt-token surprisal, the block scores of the prefilled KV
+        [("sglang.srt.layers.logits_processor.LogitsProcessor.forward", _around_logits_forward, HookType.AROUND)]
+        if _config.pruning_on else []
+    )
 
 
 def _decode_budget_hooks() -> list[tuple[str, Callable, Any]]:
@@ -317,11 +341,27 @@ def _after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
 
 
 _forward_batch = None  # the batch being sampled: ModelRunner.sample -> Sampler.forward
+_surprisal_store = None  # the entropic attention backend's per-KV-slot scores (pruning on)
+
+
+def _around_logits_forward(original, processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    store = _surprisal_store
+    if store is not None and isinstance(logits_metadata, ForwardBatch) and logits_metadata.forward_mode.is_extend() \
+            and not logits_metadata.forward_mode.is_target_verify():
+        try:
+            store.record_prompt(processor, hidden_states, lm_head, logits_metadata)
+        except Exception:  # unscored slots stay NaN, i.e. always attended
+            logger.exception("sgl-entropic: scoring the prompt tokens failed; their blocks stay dense")
+    return original(processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
 
 
 def _around_model_runner_sample(original, runner, logits_output, forward_batch, *args, **kwargs):
     global _forward_batch
     _forward_batch = forward_batch
+    planner = getattr(runner.attn_backend, "planner", None)
+    forward_batch.entropic_attended = planner.attended_fractions(forward_batch) if planner is not None else None
     try:
         return original(runner, logits_output, forward_batch, *args, **kwargs)
     finally:
@@ -336,17 +376,30 @@ def _around_sampler_forward(original, sampler, logits_output, sampling_info, *ar
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
     try:
-        step = SamplingStep(*rows, _forward_batch.seq_lens_cpu.tolist(), sampling_info, logits)
+        step = SamplingStep(*rows, _forward_batch.seq_lens_cpu.tolist(), sampling_info, logits,
+                            getattr(_forward_batch, "entropic_attended", None))
         snapshot = logits.clone()  # the sampler turns logits into probabilities in place
     except Exception:
         logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
     try:
-        step.record(snapshot, token_ids)
+        stats = step.record(snapshot, token_ids)
+        if _surprisal_store is not None:
+            _record_for_pruning(_surprisal_store, _forward_batch.req_pool_indices, rows[1], stats)
     except Exception:
         logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
     return token_ids
+
+
+def _record_for_pruning(store, req_pool_indices, produces: list[bool], stats) -> None:
+    """The sampled token's surprisal scores its KV slot next step; H_t sets the next keep ratio."""
+    rows = [i for i, p in enumerate(produces) if p]  # a middle prefill chunk's token is thrown away
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=stats.entropy.device)
+    store.record_sampled(req_pool_indices[idx.to(req_pool_indices.device)], stats.surprisal[idx],
+                         stats.entropy[idx], stats.valid[idx])
 
 
 class SamplingStep:
@@ -359,8 +412,10 @@ class SamplingStep:
     distribution (full, before top-k/top-p/min-p) and recorded.
     """
 
-    def __init__(self, reqs, produces, seq_lens, sampling_info, logits):
+    def __init__(self, reqs, produces, seq_lens, sampling_info, logits, attended: Optional[list[float]] = None):
         self.reqs, self.seq_lens = reqs, seq_lens
+        # fraction of the context each row attended in this forward (pruned decode), else all of it
+        self.attended = attended or [1.0] * len(reqs)
         self.states = [getattr(r, "entropic", None) if p else None for r, p in zip(reqs, produces)]
         request_t = sampling_info.temperatures.view(-1).float()
         self.inv_request_t = 1.0 / request_t
@@ -400,7 +455,7 @@ class SamplingStep:
                 continue
             trace = state.trace
             if valid[i]:
-                cost = step_cost(_dims, self.seq_lens[i])
+                cost = step_cost(_dims, self.seq_lens[i] * self.attended[i])
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
                 state.gain.observe(entropy[i])
@@ -411,11 +466,13 @@ class SamplingStep:
                 surprisal=surprisal[i] if valid[i] else None,
                 temperature=self.used_t[i],
                 parked=state.parked_before_token,
+                attended=self.attended[i],
                 _entropic_time=trace.tau,
                 _entropic_efficiency=trace.efficiency,
             )
         if _metrics is not None:
             _metrics.observe([h for h, ok in zip(entropy, valid) if ok], step_tau, step_flops)
+        return stats
 
 
 class EntropicMetrics:
@@ -461,7 +518,7 @@ def _append_customized(req, **values) -> None:
 
 # ---------------------------------------------------------------------------- meta_info (main process)
 
-TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked")
+TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
 
 
 def _after_update_request_meta_info(result, manager, meta_info, state, *args, **kwargs):
