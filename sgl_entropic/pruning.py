@@ -62,8 +62,10 @@ shorter than `min_context` tokens nothing is pruned (theta_t = -inf).
 
 Batched form and kernel
 -----------------------
-`select_blocks_batched(scores [B, NB], n_blocks [B], keep_counts [B], sink, recent)` is the
-batched selection; `block_select_reference` also aggregates a padded `[B, T]` surprisal
+`plan_decode(surprisal [B, T], lengths [B], entropies, cfg)` is what a decode step runs: keep
+counts on the host, then `block_select` once for the batch, expanded to the kept token positions
+(`DecodePlan`). `select_blocks_batched(scores [B, NB], n_blocks [B], keep_counts [B], sink, recent)`
+is the batched selection; `block_select_reference` also aggregates a padded `[B, T]` surprisal
 tensor with per-row lengths into scores first. The Triton kernel
 `sgl_entropic.kernels.block_select.block_select_triton` must equal `block_select_reference`
 (exactly for "max"; for "mean"/"sum" its scores agree up to fp32 summation order and its mask
@@ -321,12 +323,6 @@ class DecodePlan:
     @property
     def prunes(self) -> bool:
         return any(k < c for k, c in zip(self.kept_tokens, self.context_lens))
-
-    def stats(self, row: int, page_size: int) -> "PruneStats":
-        n = num_blocks(self.context_lens[row], page_size)
-        kept = self.positions[self.indptr[row] : self.indptr[row + 1]]
-        kept_blocks = int(torch.unique(kept // page_size).numel()) if kept.numel() else 0
-        return PruneStats(kept_blocks, n, self.kept_tokens[row], self.context_lens[row])
 
 
 def plan_decode(

@@ -39,7 +39,7 @@ def _runner(gen):
         device="cpu",
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
         token_to_kv_pool=_KVPool(gen),
-        model_config=SimpleNamespace(vocab_size=49152),
+        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS),
     )
 
 

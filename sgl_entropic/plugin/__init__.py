@@ -1,8 +1,9 @@
-"""The only module that touches SGLang internals.
+"""The plugin: the only package that touches SGLang internals (this module and `attention`).
 
 SGLang's `load_plugins()` calls `register()` in every SGLang process (HTTP server, scheduler,
-detokenizer, sgl.Engine). All hooks are listed in `_hooks()`: that list is the whole surface
-between sgl-entropic and SGLang. Without our launcher's config in the environment the plugin
+detokenizer, sgl.Engine). All hooks are listed in `_hooks()`; with them, the `entropic` attention
+backend (`attention.py`, registered when pruning is on) is the whole surface between sgl-entropic
+and SGLang. Without our launcher's config in the environment the plugin
 registers nothing, so a plain `python -m sglang.launch_server` stays stock SGLang.
 """
 

@@ -99,6 +99,9 @@ class EntropicDecodePlanner:
     def __init__(self, model_runner, cfg: PruningConfig):
         self.cfg = cfg
         self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(model_runner.model_config.vocab_size)
+        layers = model_runner.model_config.num_hidden_layers
+        # the share of layers that read the plan; the first dense_layers read everything
+        self.sparse_share = max(0, layers - cfg.dense_layers) / layers
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         kv_slots = model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
         self.store = SurprisalStore(kv_slots, self.req_to_token.shape[0], self.req_to_token.device)
@@ -126,8 +129,9 @@ class EntropicDecodePlanner:
         surprisal = self.store.slot[slots.long()]
         entropies = self.store.entropy[forward_batch.req_pool_indices].tolist()
         plan = plan_decode(surprisal, lens_cpu, entropies, self.cfg, self.reference_entropy)
+        share = self.sparse_share
         self.attended = (forward_batch.req_pool_indices.tolist(),
-                         [k / c if c else 1.0 for k, c in zip(plan.kept_tokens, plan.context_lens)])
+                         [1.0 - share * (1.0 - k / c) if c else 1.0 for k, c in zip(plan.kept_tokens, plan.context_lens)])
         if not plan.prunes:
             return None
         batch = len(plan.kept_tokens)
@@ -223,7 +227,9 @@ def flashinfer_backend(model_runner, cfg: PruningConfig):
                 )
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 
-    return EntropicFlashInferAttnBackend(model_runner)
+    if model_runner.use_mla_backend:
+        raise ValueError("--attention-backend entropic: MLA models are not supported (their KV layout differs)")
+    return EntropicFlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
 
 
 def create_backend(model_runner, cfg: PruningConfig):
