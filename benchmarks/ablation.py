@@ -101,7 +101,7 @@ def burst(url: str, payloads: list[dict], timeout_s: float = 3600) -> list[dict]
     """All payloads at once, streamed, each from its own thread."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(payloads)) as pool:
-        recs = list(pool.map(lambda p: stream_one(url, p, t0, timeout_s), payloads))
+        recs = list(pool.map(lambda p: stream_one(url, {**p, "stream": True}, t0, timeout_s), payloads))
     for r in recs:
         if r["error"]:
             raise RuntimeError(f"request failed: {r['error']}")
@@ -130,11 +130,12 @@ def long_workload(url: str, cases, windows: list[list[int]], max_tokens: int, tr
     return recs
 
 
-def agent_workload(url: str, concurrency: int) -> dict:
+def agent_workload(url: str, concurrency: int, entropic_sampling: bool) -> dict:
     backend = endpoint(url)
+    thought_params = agent.THOUGHT_PARAMS if entropic_sampling else None
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        runs = list(pool.map(lambda task: agent.run(backend, tasks=[task]), agent.TASKS))
+        runs = list(pool.map(lambda task: agent.run(backend, [task], thought_params), agent.TASKS))
     tasks = [t for run in runs for t in run["tasks"]]
     return {"success": sum(t["success"] for t in tasks), "tasks": len(tasks), "seconds": time.perf_counter() - t0}
 
@@ -167,7 +168,7 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         long_recs = long_workload(srv.url, workloads["passkeys"], workloads["windows"], args.long_tokens, traces)
         chat_recs = chat_workload(srv.url, workloads["questions"], args.chat_tokens, traces)
         wall = time.perf_counter() - t0
-        agent_result = agent_workload(srv.url, args.agent_concurrency)
+        agent_result = agent_workload(srv.url, args.agent_concurrency, name in ("sampling", "full"))
         # the prompt surprisals of the first long document, for the kept-block replay
         prompt_surprisal = prompt_logprob_surprisal(srv.url, workloads["windows"][0]) if name == "full" else None
     recs = long_recs + chat_recs
@@ -211,7 +212,8 @@ def superadditivity(results: dict) -> list[list]:
         stock = results["stock"][key]
         single = sum(sign * (results[loop][key] - stock) for loop in LOOPS)
         full = sign * (results["full"][key] - stock)
-        verdict = "super-additive" if full > single else "sub-additive" if full < single else "additive"
+        close = abs(full - single) <= 0.01 * max(abs(full), abs(single))  # within 1 %: additive
+        verdict = "additive" if close else "super-additive" if full > single else "sub-additive"
         rows.append([label, f"{full:+.3g}", f"{single:+.3g}", verdict])
     return rows
 

@@ -49,8 +49,11 @@ def backend_from_args(args: argparse.Namespace) -> Iterator[BaseBackend]:
         engine.shutdown()
 
 
-def trace_summary(meta: dict) -> dict:
-    """Per-generation scalars from the entropic meta_info (null steps had non-finite logits)."""
+def trace_summary(meta: dict) -> Optional[dict]:
+    """Per-generation scalars from the entropic meta_info (null steps had non-finite logits);
+    None from a stock SGLang server, which has no signal."""
+    if "entropy" not in meta:
+        return None
     entropy = [h for h in meta["entropy"] if h is not None]
     surprisal = [x for x in meta["surprisal"] if x is not None]
     return {
@@ -64,7 +67,9 @@ def trace_summary(meta: dict) -> dict:
     }
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: Optional[dict]) -> str:
+    if summary is None:
+        return "no entropic traces (stock server)"
     return (
         f"{summary['tokens']} tok | H {summary['entropy_mean']:.2f} nats | surprisal {summary['surprisal_mean']:.2f}"
         f" | T {summary['temperature_min']:.2f}..{summary['temperature_max']:.2f}"

@@ -17,6 +17,7 @@ import operator
 import re
 import sys
 import time
+from typing import Optional
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,12 +136,14 @@ Action: finish[Na]"""
 
 
 @sgl.function
-def react(s, question: str, thought_params: dict):
+def react(s, question: str, thought_params: Optional[dict]):
     s += sgl.system(SYSTEM)
     s += sgl.user(f"Question: {question}")
     s += sgl.assistant_begin()
     for step in range(MAX_STEPS):
-        s += "Thought:" + sgl_entropic.gen(f"thought_{step}", max_tokens=24, stop="\n", **thought_params)
+        thought = (sgl.gen(f"thought_{step}", max_tokens=24, stop="\n") if thought_params is None
+                   else sgl_entropic.gen(f"thought_{step}", max_tokens=24, stop="\n", **thought_params))
+        s += "Thought:" + thought
         # Greedy under the grammar: the action must parse, so it is not where diversity is wanted.
         s += "\nAction:" + sgl.gen(f"tool_{step}", regex=action_regex(step), temperature=0, max_tokens=4)
         tool = s[f"tool_{step}"].strip()
@@ -157,10 +160,11 @@ def normalize(answer: str) -> str:
     return answer.strip().rstrip(".").lower()
 
 
-def run(backend, tasks: list[Task] = TASKS, thought_params: dict = THOUGHT_PARAMS) -> dict:
+def run(backend, tasks: list[Task] = TASKS, thought_params: Optional[dict] = THOUGHT_PARAMS) -> dict:
     """Run each task to its finish action; success means finish[...] equals the ground truth.
 
-    `thought_params` are the entropic keywords of the thoughts (sgl_entropic.gen).
+    `thought_params` are the entropic keywords of the thoughts (sgl_entropic.gen); None samples
+    them with plain sgl.gen (servers without the sampling loop refuse entropic parameters).
     """
     results = []
     for task in tasks:

@@ -17,6 +17,13 @@ from tests.conftest import COMMON_ARGS, start_server, stop_server
 pytestmark = pytest.mark.server
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+LONG_PROMPT_TIMEOUT_S = 1200  # a 6k-token fp32 prefill in 256-token chunks on a busy 2-core machine
+
+
+def _generate(srv, payload: dict) -> dict:
+    r = srv.post("/generate", payload, timeout=LONG_PROMPT_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def _decode_attended(meta: dict) -> float:
@@ -31,8 +38,7 @@ def passkey_results(server, stock_server):
     cases = [Case(n, depth, rng.randint(10000, 99999)) for n, depth in ((2000, 0.1), (3000, 0.7), (4000, 0.5), (6000, 0.3))]
 
     def ask(srv, case):
-        out = srv.generate({"text": case.prompt, "sampling_params": GREEDY, "return_entropy": srv is server})
-        return out
+        return _generate(srv, {"text": case.prompt, "sampling_params": GREEDY, "return_entropy": srv is server})
 
     with ThreadPoolExecutor(2) as pool:  # one request per server at a time: long prompts, 2 cores
         pruned = list(pool.map(lambda c: ask(server, c), cases))
@@ -88,8 +94,8 @@ def test_threshold_minus_infinity_is_stock_sglang(keep_all_server, stock_server)
     prompts = [make_cases([1500], [0.3], seed=1)[0].prompt, "The capital of France is", "def fibonacci(n):"]
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     for prompt in prompts:
-        ours = keep_all_server.generate({"text": prompt, "sampling_params": params, "return_entropy": True})
-        stock = stock_server.generate({"text": prompt, "sampling_params": params})
+        ours = _generate(keep_all_server, {"text": prompt, "sampling_params": params, "return_entropy": True})
+        stock = _generate(stock_server, {"text": prompt, "sampling_params": params})
         assert ours["output_ids"] == stock["output_ids"]
         assert ours["meta_info"]["attended"] == [1.0] * 24
 
@@ -97,9 +103,9 @@ def test_threshold_minus_infinity_is_stock_sglang(keep_all_server, stock_server)
 def test_a_reused_prefix_keeps_its_scores(server):
     """Turn 2 extends turn 1's cached prompt: its blocks are pruned, so they were scored in turn 1."""
     prompt = make_cases([3000], [0.5], seed=11)[0].prompt
-    first = server.generate({"text": prompt, "sampling_params": GREEDY, "return_entropy": True})
-    second = server.generate({"text": prompt + first["text"] + "\nRepeat the pass key:",
-                              "sampling_params": GREEDY, "return_entropy": True})
+    first = _generate(server, {"text": prompt, "sampling_params": GREEDY, "return_entropy": True})
+    second = _generate(server, {"text": prompt + first["text"] + "\nRepeat the pass key:",
+                                "sampling_params": GREEDY, "return_entropy": True})
     assert second["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"] - 1
     # had the cached prefix come back unscored (NaN = always kept), decode would attend ~all of it
     assert _decode_attended(second["meta_info"]) < 0.6

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import gc
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -123,18 +124,20 @@ def _frontend_hooks() -> list[tuple[str, Callable, Any]]:
 
 
 _frontend_installed = False
+_frontend_lock = threading.Lock()  # programs may call sgl_entropic.gen from several threads at once
 
 
 def install_frontend_hooks() -> None:
     global _frontend_installed
-    if _frontend_installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    with _frontend_lock:
+        if _frontend_installed:
+            return
+        from sglang.srt.plugins.hook_registry import HookRegistry
 
-    for target, hook, hook_type in _frontend_hooks():
-        HookRegistry.register(target, hook, hook_type)
-    HookRegistry.apply_hooks()
-    _frontend_installed = True
+        for target, hook, hook_type in _frontend_hooks():
+            HookRegistry.register(target, hook, hook_type)
+        HookRegistry.apply_hooks()
+        _frontend_installed = True
 
 
 def hooked_targets_applied() -> dict[str, bool]:
