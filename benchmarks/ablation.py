@@ -52,7 +52,17 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import requests  # noqa: E402
 
-from attention_pruning import KV_BYTES, HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, code_corpus, code_windows, rouge_l  # noqa: E402
+from attention_pruning import (  # noqa: E402
+    HEAD_DIM,
+    KV_BYTES,
+    KV_HEADS,
+    LAYERS,
+    Q_HEADS,
+    code_corpus,
+    code_windows,
+    prompt_surprisal,
+    rouge_l,
+)
 from common import (  # noqa: E402
     RESULTS_DIR,
     bundled_model,
@@ -144,13 +154,6 @@ def agent_workload(url: str, concurrency: int, entropic_sampling: bool) -> dict:
     return {"success": sum(t["success"] for t in tasks), "tasks": len(tasks), "seconds": time.perf_counter() - t0}
 
 
-def prompt_logprob_surprisal(url: str, ids: list[int]) -> list[float]:
-    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
-               "logprob_start_len": 0}
-    body = requests.post(url + "/generate", json=payload, timeout=1800).json()
-    return [math.nan if lp is None else -lp for lp, _, _ in body["meta_info"]["input_token_logprobs"]]
-
-
 def attention_cost(recs: list[dict]) -> tuple[float, float]:
     """(attention GFLOP, KV GB read) of all decode steps of these requests."""
     tokens = 0.0
@@ -174,7 +177,7 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         wall = time.perf_counter() - t0
         agent_result = agent_workload(srv.url, args.agent_concurrency, name in ("sampling", "full"))
         # the prompt surprisals of the first long document, for the kept-block replay
-        prompt_surprisal = prompt_logprob_surprisal(srv.url, workloads["windows"][0]) if name == "full" else None
+        first_doc_surprisal = prompt_surprisal(srv.url, workloads["windows"][0]) if name == "full" else None
     recs = long_recs + chat_recs
     chat_entropy = [h for r in chat_recs for h in r["meta"].get("entropy", []) if h is not None]
     efficiency = [r["meta"]["entropic_efficiency"] for r in recs if "entropic_efficiency" in r["meta"]]
@@ -198,7 +201,7 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         "long_texts": [r["text"] for r in long_recs[n_pass:]],
         "chat_traces": [{k: r["meta"].get(k) for k in ("entropy", "temperature", "surprisal")} for r in chat_recs[:4]]
         if traces else [],
-        "prompt_surprisal": prompt_surprisal,
+        "prompt_surprisal": first_doc_surprisal,
         "long_traces": [{k: r["meta"].get(k) for k in ("entropy", "surprisal", "attended")} | {"prompt_tokens": r["prompt_tokens"]}
                         for r in long_recs[n_pass:]] if traces else [],
     }

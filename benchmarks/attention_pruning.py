@@ -8,7 +8,7 @@ stock `sglang.launch_server` (torch_native attention) and ours with `--entropic 
 (default PruningConfig). For every context L in --contexts and batch B in --batches, B
 concurrent greedy requests continue B distinct windows of real source code (SGLang's own
 scheduler) for --tokens new tokens (ignore_eos), streamed:
-  - decode tok/s   = B * (N - 1) / (last token time - latest first-token time)
+  - decode tok/s   = B * (N - 1) / (end of the last stream - latest first-token time)
   - TTFT           = first streamed token (prefill; ours also scores the prompt tokens)
   - keep ratio     = mean of ours' per-token `attended` traces over decode steps
   - attention FLOPs and KV bytes read per decode step follow from the attended tokens:
@@ -57,6 +57,7 @@ from common import (  # noqa: E402
     sglang_common_args,
     start_server,
     stock_command,
+    stream_one,
     write_json,
 )
 from programs.passkey import answered_key, make_cases  # noqa: E402
@@ -82,39 +83,24 @@ def code_windows(corpus_ids: list[int], tokens: int, count: int, seed: int) -> l
     return [corpus_ids[s : s + tokens] for s in starts]
 
 
-def stream(url: str, payload: dict) -> dict:
-    """POST /generate with stream=True; returns the final response plus first/last token times."""
-    t0 = time.perf_counter()
-    first = last = None
-    final = None
-    with requests.post(url + "/generate", json={**payload, "stream": True}, stream=True, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            final = json.loads(line[5:])
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-    return {"response": final, "first": first - t0, "last": last - t0, "t0": t0}
-
-
 def speed_run(url: str, windows: list[list[int]], tokens: int, traces: bool) -> dict:
     params = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
-    payloads = [{"input_ids": w, "sampling_params": params, "return_entropy": traces} for w in windows]
+    payloads = [{"input_ids": w, "sampling_params": params, "return_entropy": traces, "stream": True}
+                for w in windows]
+    start = time.perf_counter()
     with ThreadPoolExecutor(len(payloads)) as pool:
-        outs = list(pool.map(lambda p: stream(url, p), payloads))
-    t0 = min(o["t0"] for o in outs)
-    firsts = [o["t0"] - t0 + o["first"] for o in outs]
-    lasts = [o["t0"] - t0 + o["last"] for o in outs]
-    decode_s = max(lasts) - max(firsts)
+        outs = list(pool.map(lambda p: stream_one(url, p, start, 1800), payloads))
+    errors = [o["error"] for o in outs if o["error"]]
+    if errors:
+        raise RuntimeError(f"speed run failed: {errors[0]}")
+    decode_s = max(o["finish"] for o in outs) - max(o["first"] for o in outs)
     result = {
         "decode_tok_s": len(outs) * (tokens - 1) / decode_s if decode_s > 0 else float("nan"),
-        "ttft_s": statistics.fmean(o["first"] for o in outs),
-        "output_ids": [o["response"]["output_ids"] for o in outs],
+        "ttft_s": statistics.fmean(o["first"] - o["send"] for o in outs),
+        "output_ids": [o["output_ids"] for o in outs],
     }
     if traces:
-        metas = [o["response"]["meta_info"] for o in outs]
+        metas = [o["meta"] for o in outs]
         result["attended"] = statistics.fmean(a for m in metas for a in m["attended"][1:])
         result["entropy"] = statistics.fmean(h for m in metas for h in m["entropy"] if h is not None)
     return result

@@ -85,9 +85,11 @@ class SurprisalStore:
 @dataclasses.dataclass
 class SparseDecode:
     """A decode batch's plan in the layout TorchNativeAttnBackend's loop reads: row r attends
-    slots[r, :lens[r]] (the kept KV slots, ascending positions)."""
+    slots[r, :lens[r]] (the kept KV slots, ascending positions); flat_slots is the same list
+    row after row, as FlashInfer's page list wants it."""
 
     plan: DecodePlan
+    flat_slots: torch.Tensor  # [sum(lens)] int
     slots: torch.Tensor  # [B, max kept] int
     rows: torch.Tensor  # [B] arange: row r reads slots[r]
     lens: torch.Tensor  # [B] kept tokens
@@ -139,8 +141,9 @@ class EntropicDecodePlanner:
         rows = torch.repeat_interleave(torch.arange(batch, device=slots.device), counts)
         cols = torch.arange(rows.numel(), device=slots.device) - plan.indptr[:-1].to(slots.device)[rows]
         kept = torch.zeros(batch, max(plan.kept_tokens), dtype=slots.dtype, device=slots.device)
-        kept[rows, cols] = slots[rows, plan.positions.to(slots.device)]
-        return SparseDecode(plan, kept, torch.arange(batch, device=slots.device), counts)
+        flat = slots[rows, plan.positions.to(slots.device)]
+        kept[rows, cols] = flat
+        return SparseDecode(plan, flat, kept, torch.arange(batch, device=slots.device), counts)
 
     def sparse_layer(self, layer) -> bool:
         """Layers that attend the plan: past the dense ones, self-attention without a sliding window."""
@@ -208,9 +211,7 @@ def flashinfer_backend(model_runner, cfg: PruningConfig):
                 return
             plan = sparse.plan
             indptr = plan.indptr.to(device="cuda", dtype=torch.int32)
-            rows = torch.repeat_interleave(sparse.rows, sparse.lens)
-            cols = torch.arange(rows.numel(), device=rows.device) - plan.indptr[:-1].to(rows.device)[rows]
-            indices = sparse.slots[rows, cols].to(torch.int32)
+            indices = sparse.flat_slots.to(torch.int32)
             batch = len(plan.kept_tokens)
             num_qo, num_kv, head_dim = self._heads
             self.sparse_wrapper.begin_forward(
