@@ -53,16 +53,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import requests  # noqa: E402
 
 from attention_pruning import (  # noqa: E402
-    HEAD_DIM,
-    KV_BYTES,
-    KV_HEADS,
-    LAYERS,
-    Q_HEADS,
     code_corpus,
     code_windows,
     prompt_surprisal,
     rouge_l,
 )
+from sgl_entropic.costs import attention_cost  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
     bundled_model,
@@ -71,6 +67,7 @@ from common import (  # noqa: E402
     free_port,
     log_line,
     markdown_table,
+    model_dims,
     ours_command,
     percentile,
     server_env,
@@ -154,7 +151,7 @@ def agent_workload(url: str, concurrency: int, entropic_sampling: bool) -> dict:
     return {"success": sum(t["success"] for t in tasks), "tasks": len(tasks), "seconds": time.perf_counter() - t0}
 
 
-def attention_cost(recs: list[dict]) -> tuple[float, float]:
+def decode_attention_cost(recs: list[dict], dims) -> tuple[float, float]:
     """(attention GFLOP, KV GB read) of all decode steps of these requests."""
     tokens = 0.0
     for r in recs:
@@ -162,8 +159,8 @@ def attention_cost(recs: list[dict]) -> tuple[float, float]:
         attended = (r["meta"].get("attended") or [1.0] * completion)[1:]  # element 0 is the prefill
         attended += [1.0] * (completion - 1 - len(attended))
         tokens += sum((prompt + i + 1) * a for i, a in enumerate(attended))
-    return (4 * LAYERS * Q_HEADS * HEAD_DIM * tokens / 1e9,
-            2 * LAYERS * KV_HEADS * HEAD_DIM * KV_BYTES * tokens / 1e9)
+    cost = attention_cost(dims, tokens)
+    return cost.flops / 1e9, cost.kv_bytes / 1e9
 
 
 def run_config(name: str, common: list[str], device: str, workloads: dict, args) -> dict:
@@ -181,7 +178,7 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
     recs = long_recs + chat_recs
     chat_entropy = [h for r in chat_recs for h in r["meta"].get("entropy", []) if h is not None]
     efficiency = [r["meta"]["entropic_efficiency"] for r in recs if "entropic_efficiency" in r["meta"]]
-    gflop, kv_gb = attention_cost(recs)
+    gflop, kv_gb = decode_attention_cost(recs, workloads["dims"])
     n_pass = len(workloads["passkeys"])
     return {
         "throughput_tok_s": sum(r["completion_tokens"] for r in recs) / wall,
@@ -309,6 +306,7 @@ def main() -> None:
         "questions": mtbench_questions(args.chat_questions),
         "passkeys": make_cases([args.long_context], depths, seed=3),
         "windows": code_windows(tokenizer(code_corpus()).input_ids, args.long_context, args.long_docs, seed=5),
+        "dims": model_dims(model, args.dtype),
     }
     common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"])
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}

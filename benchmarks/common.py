@@ -62,6 +62,16 @@ def bundled_model() -> str:
     return str(prepare_bundled_model())
 
 
+def model_dims(model_path: str, dtype: str):
+    """The served model's shape, for the cost formulas (sgl_entropic.costs), from its own config."""
+    from transformers import AutoConfig
+
+    from sgl_entropic.costs import ModelDims
+
+    bytes_per_element = {"float32": 4, "fp32": 4}.get(dtype, 2)
+    return ModelDims.from_hf_config(AutoConfig.from_pretrained(model_path), kv_bytes_per_element=bytes_per_element)
+
+
 def sglang_common_args(model_path: str, device: str, dtype: str, extra: Sequence[str] = ()) -> list[str]:
     """The flags both servers get, spelled out so that stock and ours run the same settings."""
     args = ["--model-path", model_path, "--device", device, "--dtype", dtype, "--host", HOST]

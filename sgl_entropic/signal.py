@@ -167,58 +167,6 @@ def token_stats(
 
 
 @dataclass
-class ModelDims:
-    """The shape numbers that price one decode step of a decoder-only transformer."""
-
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dense_flops_per_token: float
-
-    @classmethod
-    def from_hf_config(cls, cfg) -> "ModelDims":
-        """Dims of a Llama-style model from its Hugging Face config.
-
-        With hidden size d, intermediate size f, h_q query heads, h_kv key/value heads of
-        dimension h_d, L layers and vocabulary size n_vocab, the matmul parameters are
-          per layer: q and o projections 2 * d * h_q * h_d, k and v projections
-                     2 * d * h_kv * h_d, gate/up/down MLP matrices 3 * d * f;
-          lm head:   d * n_vocab  (the input embedding is a lookup, not a matmul).
-        dense_flops_per_token = 2 * (L * per_layer + lm_head): 2 FLOPs per multiply-add.
-        Norms, biases and activations are ignored (lower order).
-        """
-        hidden = cfg.hidden_size
-        q_heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // q_heads
-        per_layer = (
-            2 * hidden * q_heads * head_dim
-            + 2 * hidden * kv_heads * head_dim
-            + 3 * hidden * cfg.intermediate_size
-        )
-        lm_head = hidden * cfg.vocab_size
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            num_q_heads=q_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            dense_flops_per_token=2.0 * (cfg.num_hidden_layers * per_layer + lm_head),
-        )
-
-
-def step_cost(dims: ModelDims, attended_tokens: int) -> float:
-    """FLOPs of one decode step of one request: the cost C of the paper.
-
-    C = dense_flops_per_token + 4 * L * h_q * h_d * attended_tokens, the second term being
-    QK^T and PV (h_q * h_d multiply-adds each per attended token and layer, 2 FLOPs per
-    multiply-add). attended_tokens is the context length, or the kept tokens under KV pruning.
-    """
-    attention_flops_per_token = 4.0 * dims.num_layers * dims.num_q_heads * dims.head_dim
-    return dims.dense_flops_per_token + attention_flops_per_token * attended_tokens
-
-
-@dataclass
 class EntropyTrace:
     """Per-request record of the sensor, one `record` per decode step.
 

@@ -11,12 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from sgl_entropic.costs import ModelDims, attention_cost, step_cost
 from sgl_entropic.signal import (
     EntropyTrace,
-    ModelDims,
     entropy_exact,
     entropy_topk,
-    step_cost,
     token_stats,
     token_stats_reference,
 )
@@ -163,19 +162,24 @@ def test_token_stats_temperature_matches_scaled_logits(logits, data):
     # Tokens are drawn among each row's finite entries: the argmax always is one.
     tokens = logits.argmax(dim=-1)
     stats = token_stats(logits, tokens, 1.0 / temperature)
-    scaled = logits / temperature[:, None]
+    # Independent of the implementation: float64 torch.distributions over the scaled logits.
+    dist = torch.distributions.Categorical(logits=logits.double() / temperature.double()[:, None])
     assert stats.valid.all()
-    torch.testing.assert_close(stats.entropy, entropy_exact(scaled), atol=TOL, rtol=1e-5)
-    torch.testing.assert_close(stats.lse, torch.logsumexp(scaled, dim=-1), atol=TOL, rtol=1e-5)
-    expected_surprisal = -torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
-    torch.testing.assert_close(stats.surprisal, expected_surprisal, atol=TOL, rtol=1e-5)
+    torch.testing.assert_close(stats.entropy.double(), dist.entropy(), atol=TOL, rtol=1e-5)
+    torch.testing.assert_close(stats.surprisal.double(), -dist.log_prob(tokens), atol=TOL, rtol=1e-5)
+    scaled = logits.double() / temperature.double()[:, None]
+    torch.testing.assert_close(stats.lse.double(), torch.logsumexp(scaled, dim=-1), atol=TOL, rtol=1e-5)
 
 
-def test_token_stats_on_cpu_is_the_reference():
-    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
-    tokens = torch.tensor([3, 7])
-    for got, want in zip(token_stats(logits, tokens), token_stats_reference(logits, tokens)):
-        assert torch.equal(got, want)
+def test_token_stats_on_a_vocabulary_sized_row_match_float64():
+    # The dispatching entry point on a real vocabulary size, against an independent float64 computation.
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1)) * 4
+    tokens = torch.tensor([3, 7, int(logits[2].argmax())])
+    inv_t = torch.tensor([1.0, 1.0 / 0.7, 1.0 / 1.3])
+    stats = token_stats(logits, tokens, inv_t)
+    dist = torch.distributions.Categorical(logits=logits.double() * inv_t.double()[:, None])
+    torch.testing.assert_close(stats.entropy.double(), dist.entropy(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(stats.surprisal.double(), -dist.log_prob(tokens), atol=1e-4, rtol=1e-5)
 
 
 def test_entropy_trace_accumulates_entropic_time_and_cost():
@@ -209,6 +213,15 @@ def test_step_cost_adds_attention_over_attended_tokens():
     )
     assert step_cost(dims, 0) == 1000.0
     assert step_cost(dims, 100) == 1000.0 + 4 * 2 * 4 * 8 * 100
+
+
+def test_attention_cost_counts_qk_pv_flops_and_kv_bytes():
+    dims = ModelDims(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, dense_flops_per_token=0.0)
+    cost = attention_cost(dims, 4096)
+    # SmolLM2-135M at 4k: one sequence's K and V in bf16 are 30 x 3 x 64 x 2 x 2 B x 4096 = 94.4 MB
+    assert cost.kv_bytes == 94_371_840
+    assert cost.flops == 4 * 30 * 9 * 64 * 4096
+    assert attention_cost(ModelDims(30, 9, 3, 64, 0.0, kv_bytes_per_element=4), 4096).kv_bytes == 2 * 94_371_840
 
 
 def test_model_dims_from_llama_style_config():
