@@ -3,41 +3,82 @@
     engine = sgl_entropic.Engine(entropic="full", entropic_config={"sampling": {...}})
     engine.generate("Hi", {"custom_params": {"entropic": {"target_entropy": 1.5}}}, return_entropy=True)
 
-Without model_path it serves the bundled model with the launcher's CPU defaults.
+Without model_path it serves the bundled model with the launcher's CPU defaults. The config
+reaches the spawned scheduler through the environment only while the engine starts; afterwards
+`os.environ` is as it was. One process holds one entropic config at a time: a second engine with
+another config is refused while the first is alive (shut it down first); the same config is fine.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
+
+from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
 from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, EntropicConfig
 
 
-def Engine(entropic: str = "full", entropic_config: Optional[dict[str, Any]] = None, **engine_kwargs: Any):
-    """Validate our config (pydantic ValidationError on bad values), then start `sgl.Engine`."""
-    config = EntropicConfig.model_validate({**(entropic_config or {}), "mode": entropic})
-    # sgl.Engine loads plugins in this process and spawns the scheduler: both read the environment.
-    os.environ[CONFIG_ENV] = config.to_env()
-    if "model_path" not in engine_kwargs:
+class Engine(SGLangEngine):
+    _live: ClassVar[dict[int, EntropicConfig]] = {}  # id(engine) -> its config, until shutdown
+
+    def __init__(self, entropic: str = "full", entropic_config: Optional[dict[str, Any]] = None, **kwargs: Any):
+        """Validate our config (pydantic ValidationError on bad values), then start `sgl.Engine`."""
+        config = EntropicConfig.model_validate({**(entropic_config or {}), "mode": entropic})
+        if any(c != config for c in Engine._live.values()):
+            raise ValueError("sgl_entropic.Engine: another engine with a different entropic config is alive in "
+                             "this process (the HTTP-side hooks hold one config per process); shut it down first")
+        kwargs = _engine_kwargs(config, kwargs)
+        from sgl_entropic.cpu import apply_cpu_environment
+
+        apply_cpu_environment(kwargs.get("device", "cuda"))
+        previous = os.environ.get(CONFIG_ENV)
+        os.environ[CONFIG_ENV] = config.to_env()  # sgl.Engine spawns the scheduler, which reads it
+        try:
+            _activate_here(config)
+            super().__init__(**kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop(CONFIG_ENV, None)
+            else:
+                os.environ[CONFIG_ENV] = previous
+        Engine._live[id(self)] = config
+
+    def shutdown(self):
+        Engine._live.pop(id(self), None)
+        super().shutdown()
+
+
+def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "model_path" not in kwargs:
         from sgl_entropic.model import prepare_bundled_model
 
-        engine_kwargs = {"model_path": str(prepare_bundled_model()), "dtype": "bfloat16",
-                         "max_total_tokens": 65536, **engine_kwargs}
-    if "device" not in engine_kwargs:
+        kwargs = {"model_path": str(prepare_bundled_model()), "dtype": "bfloat16", "max_total_tokens": 65536, **kwargs}
+    if "device" not in kwargs:
         import torch
 
         if not torch.cuda.is_available():
-            engine_kwargs["device"] = "cpu"
+            kwargs["device"] = "cpu"
     if config.pruning_on:
-        chosen = engine_kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
+        chosen = kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
         if chosen != ATTENTION_BACKEND:
-            raise ValueError(f"entropic={entropic!r} prunes attention in the {ATTENTION_BACKEND!r} backend, "
+            raise ValueError(f"entropic={config.mode!r} prunes attention in the {ATTENTION_BACKEND!r} backend, "
                              f"not {chosen!r}")
-        engine_kwargs.setdefault("disable_cuda_graph", True)  # the decode plan changes every step
-    from sgl_entropic.cpu import apply_cpu_environment
+        page_size = kwargs.setdefault("page_size", config.pruning.page_size)  # a pruning page is a KV page
+        if page_size != config.pruning.page_size:
+            raise ValueError(f"page_size={page_size} differs from pruning.page_size={config.pruning.page_size}")
+        kwargs.setdefault("disable_cuda_graph", True)  # the decode plan changes every step
+    return kwargs
 
-    apply_cpu_environment(engine_kwargs.get("device", "cuda"))
-    import sglang as sgl
 
-    return sgl.Engine(**engine_kwargs)
+def _activate_here(config: EntropicConfig) -> None:
+    """This process's hooks run with `config` (load_plugins registers the plugin once per process)."""
+    from sglang.srt.plugins import load_plugins
+
+    from sgl_entropic import plugin
+    from sgl_entropic.plugin import runtime
+
+    load_plugins()
+    rt = runtime.installed()
+    if rt is None or rt.config != config:
+        plugin.activate(config, apply=True)

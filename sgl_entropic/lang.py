@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 
-from sgl_entropic import plugin
+from sgl_entropic.plugin import frontend
 from sgl_entropic.config import SamplingConfig, format_error
 
 ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields)
@@ -41,7 +41,7 @@ def gen(name: Optional[str] = None, **kwargs: Any):
         if entropic:
             raise ValueError("sgl_entropic.gen: choices are scored, not sampled; entropic keywords do not apply")
         return sgl.gen(name, **kwargs)
-    plugin.install_frontend_hooks()
+    frontend.install_frontend_hooks()
     expr = sgl.gen(name, **kwargs)
     expr.sampling_params.entropic = entropic
     return expr
@@ -58,7 +58,7 @@ class EngineBackend(BaseBackend):
         # fails ("already running") if two threads call it at once, as fork branches and
         # run_batch do: their calls take turns here.
         self._engine_lock = threading.Lock()
-        plugin.install_frontend_hooks()
+        frontend.install_frontend_hooks()
 
     def get_chat_template(self):
         return self.chat_template
@@ -68,7 +68,7 @@ class EngineBackend(BaseBackend):
             out = self.engine.generate(
                 prompt=s.text_,
                 sampling_params=sampling_params.to_srt_kwargs(),
-                return_entropy=plugin.is_entropic(sampling_params),
+                return_entropy=frontend.is_entropic(sampling_params),
             )
         return out["text"], out["meta_info"]
 

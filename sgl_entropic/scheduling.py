@@ -109,6 +109,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sgl_entropic.config import SchedulingConfig
+from sgl_entropic.costs import ModelDims, step_cost
 
 __all__ = [
     "DEFAULT_MEAN_ENTROPY_NATS",
@@ -127,6 +128,10 @@ __all__ = [
     "order_waiting",
     "retraction_order",
     "select_decode",
+    "advance_skips",
+    "model_scales",
+    "waiting_view",
+    "running_view",
 ]
 
 DEFAULT_MEAN_ENTROPY_NATS = 2.0
@@ -193,6 +198,38 @@ class Scales:
 
 
 DEFAULT_SCALES = Scales()
+
+
+# --------------------------------------------------------------------------- views from plain numbers
+
+
+def model_scales(dims: ModelDims, pool_tokens: int, page_size: int) -> Scales:
+    """The served model's units: C in decode-token equivalents, M as the fraction of the KV pool."""
+    return Scales(cost_ref_gflop=step_cost(dims, 0) / 1e9, kv_ref_pages=max(1.0, pool_tokens / page_size))
+
+
+def waiting_view(
+    *, rid: str, arrival_seq: int, waited_steps: int, prompt_len: int, output_len: int,
+    uncached_tokens: int, expected_gain: float, scales: Scales,
+) -> RequestView:
+    """A waiting request: its next step is the prefill of its uncached tokens; it holds no KV yet."""
+    return RequestView(
+        rid=rid, arrival_seq=arrival_seq, waited_steps=max(0, waited_steps), prompt_len=prompt_len,
+        output_len=output_len, kv_pages=0, expected_gain=expected_gain,
+        step_cost=uncached_tokens * scales.cost_ref_gflop,
+    )
+
+
+def running_view(
+    *, rid: str, arrival_seq: int, skipped_steps: int, prompt_len: int, output_len: int, seq_len: int,
+    page_size: int, expected_gain: float, dims: ModelDims,
+) -> RequestView:
+    """A running request: its next step is one decode token over its context; it holds its pages."""
+    return RequestView(
+        rid=rid, arrival_seq=arrival_seq, waited_steps=max(0, skipped_steps), prompt_len=prompt_len,
+        output_len=output_len, kv_pages=-(-seq_len // page_size), expected_gain=expected_gain,
+        step_cost=step_cost(dims, seq_len) / 1e9,
+    )
 
 
 # --------------------------------------------------------------------------- gain estimator
@@ -343,3 +380,18 @@ def select_decode(
         for i in rest[:free]:
             mask[i] = True
     return mask
+
+
+def advance_skips(skips: Sequence[int], decodes: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """The decode budget's bookkeeping for one decode step, run on EVERY decode step.
+
+    skips[i] is row i's consecutive parked steps before this step. Returns (new skips, parked
+    before token): a row that decodes waited skips[i] steps right before this token and starts
+    again at 0; a parked row waits one step more and produces no token (0). A step on which the
+    whole batch decodes clears every count, so no request carries a stale one into later tokens.
+    """
+    if len(skips) != len(decodes):
+        raise ValueError(f"{len(skips)} skip counts but {len(decodes)} decode flags")
+    new_skips = [0 if d else s + 1 for s, d in zip(skips, decodes)]
+    parked = [s if d else 0 for s, d in zip(skips, decodes)]
+    return new_skips, parked

@@ -43,3 +43,39 @@ def test_engine_and_engine_backend():
     assert len(raw["entropy"]) == len(raw["temperature"]) == raw["completion_tokens"] == 8
     assert "entropy" not in plain and isinstance(plain["entropic_time"], float)
     assert len(program["temperature"]) == program["completion_tokens"] > 0
+
+
+HYGIENE = r"""
+import json, os
+import sgl_entropic
+
+first = sgl_entropic.Engine(entropic="sampling", dtype="float32")
+env_after_start = os.environ.get("SGLANG_ENTROPIC_CONFIG")
+try:
+    sgl_entropic.Engine(entropic="off", dtype="float32")
+    refused = None
+except ValueError as err:
+    refused = str(err)
+first.shutdown()
+# once the first is shut down, another config in the same process works, with its own behaviour
+second = sgl_entropic.Engine(entropic="off", dtype="float32")
+signal_only = second.generate("Hi", {"max_new_tokens": 3, "temperature": 0}, return_entropy=True)["meta_info"]
+try:
+    second.generate("Hi", {"max_new_tokens": 2, "custom_params": {"entropic": {"target_entropy": 1.0}}})
+    sampling_refused = False
+except ValueError:
+    sampling_refused = True
+second.shutdown()
+print("RESULT " + json.dumps({"env_after_start": env_after_start, "refused": refused,
+                              "signal_only": signal_only, "sampling_refused": sampling_refused}))
+"""
+
+
+def test_one_config_per_process_and_no_config_left_in_the_environment():
+    proc = subprocess.run([sys.executable, "-c", HYGIENE], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    result = json.loads(lines[0][len("RESULT ") :])
+    assert result["env_after_start"] is None
+    assert "another engine with a different entropic config is alive" in result["refused"]
+    assert len(result["signal_only"]["entropy"]) == 3 and result["sampling_refused"]

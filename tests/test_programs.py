@@ -18,9 +18,6 @@ from programs import agent, chat, extract, fork_join
 from programs._backend import endpoint
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.server
-
-
 @pytest.fixture(scope="module")
 def backend(server):
     return endpoint(server.url)
@@ -42,6 +39,7 @@ def test_calculator_refuses_everything_else(expression):
     assert agent.calculate(expression).startswith("error: ")
 
 
+@pytest.mark.server
 def test_agent_actions_parse_tools_run_and_success_is_the_answer_check(backend):
     result = agent.run(backend)
     assert len(result["tasks"]) == len(agent.TASKS)
@@ -72,6 +70,7 @@ def test_agent_actions_parse_tools_run_and_success_is_the_answer_check(backend):
     assert result["success_rate"] == statistics.fmean(t["success"] for t in result["tasks"])
 
 
+@pytest.mark.server
 def test_chat_reuses_the_shared_manual_and_each_conversation(backend, model_path):
     from transformers import AutoTokenizer
 
@@ -98,6 +97,7 @@ def assert_join_chose_the_lowest_mean_surprisal(item: dict) -> None:
     assert item["chosen"] == recomputed.index(min(recomputed))
 
 
+@pytest.mark.server
 def test_fork_join_chooses_the_branch_with_the_lowest_mean_surprisal(backend):
     questions = fork_join.run(backend)["questions"]
     assert len(questions) == len(fork_join.QUESTIONS)
@@ -108,6 +108,7 @@ def test_fork_join_chooses_the_branch_with_the_lowest_mean_surprisal(backend):
     assert statistics.fmean(high) > statistics.fmean(low) + 0.5, (low, high)
 
 
+@pytest.mark.server
 def test_extract_outputs_parse_and_validate_against_the_schema(backend):
     result = extract.run(backend)
     for item in result["documents"]:
@@ -132,6 +133,7 @@ engine.shutdown()
 """
 
 
+@pytest.mark.server
 def test_fork_join_runs_on_an_in_process_engine():
     """The `--engine` path. The branches call the one engine from concurrent threads, which
     EngineBackend has to serialize (sgl.Engine.generate is not reentrant)."""

@@ -17,12 +17,11 @@ import pytest
 import requests
 import torch
 
-from sgl_entropic import plugin
 from sgl_entropic.config import EntropicConfig, PruningConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
-from sgl_entropic.signal import ModelDims, entropy_exact
+from sgl_entropic.signal import entropy_exact
 from tests.conftest import ROOT
-from tests.test_sampling_step import _req  # a request as SamplingStep sees it
+from tests.stepping import Stepper
 
 # ============================================================================ 3. numerical faults
 # SamplingStep on real tensors, exactly as the Sampler.forward hook drives it: __init__ (controller
@@ -36,11 +35,20 @@ def F32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
+_stepper: Stepper | None = None
+
+
 @pytest.fixture
-def loop(monkeypatch):
-    monkeypatch.setattr(plugin, "_config", EntropicConfig())
-    monkeypatch.setattr(plugin, "_dims", ModelDims(2, 2, 1, 4, 100.0))
-    monkeypatch.setattr(plugin, "_metrics", None)
+def loop():
+    """A fresh scheduler's state (runtime, controller table) for each test."""
+    global _stepper
+    _stepper = Stepper()
+    yield _stepper
+    _stepper = None
+
+
+def _req(controller=None, mirostat=None):
+    return _stepper.req(controller=controller, mirostat=mirostat)
 
 
 def _controller(request_t=1.0, **cfg):
@@ -53,16 +61,7 @@ def _mirostat(**cfg):
 
 def _run_step(reqs, logits, temps, top_ks=None, tokens=None):
     """One sampling step; returns (logits as the sampler got them, sampled tokens)."""
-    n = len(reqs)
-    info = SimpleNamespace(
-        temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
-        top_ks=torch.tensor(top_ks or [V] * n),
-    )
-    step = plugin.SamplingStep(reqs, [True] * n, [32] * n, info, logits)
-    if tokens is None:  # a stand-in for the sampler: the argmax of what it was given
-        tokens = torch.nan_to_num(logits, nan=0.0).argmax(dim=-1)
-    step.record(logits.clone(), tokens)
-    return logits, tokens
+    return _stepper.step(reqs, logits, temps, top_ks, tokens)
 
 
 def _last(req, key):

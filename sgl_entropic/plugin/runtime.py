@@ -1,0 +1,102 @@
+"""The plugin's state in one SGLang process: one `Runtime` object, and one `RequestState` per request.
+
+`register()` creates the Runtime (`install`); every hook reads it with `current()`. Nothing
+else in the plugin keeps module-level state. In the scheduler the Runtime also holds what is
+learnt from the served model at the first request (its shape, the scheduling scales) and the
+scheduler's clock, which is the same on every tensor-parallel rank: forward batches and
+admissions are counted, never timed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from sgl_entropic.config import EntropicConfig
+from sgl_entropic.costs import ModelDims
+from sgl_entropic.sampling import ControllerState, MirostatState
+from sgl_entropic.scheduling import GainEstimator, Scales
+from sgl_entropic.signal import EntropyTrace
+
+if TYPE_CHECKING:
+    from sgl_entropic.plugin.metrics import EntropicMetrics
+    from sgl_entropic.plugin.sampling_step import ControllerTable
+
+
+@dataclass(eq=False)  # identity semantics: tracked in a WeakSet
+class RequestState:
+    """What the loops keep per request; lives on SGLang's Req as `req.entropic`."""
+
+    trace: EntropyTrace
+    gain: GainEstimator
+    arrival_seq: int  # admission counter, unique in the process and the same on every TP rank
+    arrival_step: int
+    controller: Optional[ControllerState] = None
+    mirostat: Optional[MirostatState] = None
+    decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
+    parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
+    last_surprisal: float = float("nan")  # of the last sampled token (nats), for the pruning loop
+
+
+@dataclass
+class Runtime:
+    config: EntropicConfig
+    hooks: tuple = ()  # the hook table registered in this process (plugin.hook_table)
+    # Scheduler process, learnt at the first request.
+    dims: Optional[ModelDims] = None
+    scales: Optional[Scales] = None
+    kv_page_size: int = 1
+    metrics: Optional["EntropicMetrics"] = None
+    controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
+    pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
+    # The scheduler's clock: forward batches and admissions so far.
+    steps: int = 0
+    arrivals: int = 0
+    # Per step: the rows of the batch the model runs (ForwardBatch.init_new -> attention -> sampler),
+    # the batch being sampled (ModelRunner.sample -> Sampler.forward), and the decode budget's split
+    # while SGLang runs one decode step (update_running_batch -> run_batch).
+    rows: Any = None
+    forward_batch: Any = None
+    defer_prepare: bool = False
+    split: Any = None
+    # Every RequestState alive, to prove that finished requests free theirs.
+    live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
+
+    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
+        self.arrivals += 1
+        state = RequestState(
+            trace=EntropyTrace(keep_lists=False),
+            gain=GainEstimator(self.config.scheduling),
+            arrival_seq=self.arrivals,
+            arrival_step=self.steps,
+            controller=controller,
+            mirostat=mirostat,
+        )
+        self.live_states.add(state)
+        return state
+
+
+_runtime: Optional[Runtime] = None
+
+
+def install(config: EntropicConfig, hooks: tuple = ()) -> Runtime:
+    """The process's Runtime for `config` (a new one, replacing any before it)."""
+    global _runtime
+    _runtime = Runtime(config, hooks)
+    return _runtime
+
+
+def current() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("sgl-entropic: no runtime in this process (register() did not run with a config)")
+    return _runtime
+
+
+def installed() -> Optional[Runtime]:
+    return _runtime
+
+
+def current_rows():
+    """The rows of the batch the model is running, or None (no runtime, or outside a forward)."""
+    return _runtime.rows if _runtime is not None else None

@@ -1,0 +1,248 @@
+"""One sampling step, in the scheduler process: the signal and the micro loop on SGLang's sampler.
+
+Hooks: `ForwardBatch.init_new` (the batch's rows, prepared once), `ModelRunner.sample` (which
+batch is being sampled) and `Sampler.forward` (where the distribution is actually sampled).
+
+Controller state lives on the model's device in a `ControllerTable`, one column per
+request-pool slot, read and written by index; a request's parameters are uploaded once, when
+it first samples in a slot. A step makes one device -> host transfer: the rows' entropy,
+surprisal, validity, temperature (and Mirostat mu), which feed the traces and refresh the
+host copy in `RequestState` (from which a retracted request resumes in its next slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from sgl_entropic.costs import step_cost
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.runtime import RequestState, Runtime
+from sgl_entropic.sampling import ControllerBatch, MirostatBatch
+from sgl_entropic.signal import TokenStats, token_stats
+
+logger = logging.getLogger("sgl_entropic")
+
+# The batches' fields, in their order; ControllerState and MirostatState carry the same names.
+CONTROLLER_FIELDS = tuple(f.name for f in fields(ControllerBatch))
+MIROSTAT_FIELDS = tuple(f.name for f in fields(MirostatBatch))
+_T, _STEPS = CONTROLLER_FIELDS.index("temperature"), CONTROLLER_FIELDS.index("steps_done")
+
+
+@dataclass
+class BatchRows:
+    """A forward batch's requests as the loops see them, built once per batch.
+
+    produces[i] is False for a middle chunk of a chunked prefill: it is sampled, but its token
+    is thrown away. states[i] is the request's state, None where the row produces nothing.
+    """
+
+    reqs: list
+    produces: list[bool]
+    states: list[Optional[RequestState]]
+    decode: bool = True  # a decode step (else prefill/extend: no decode-budget wait precedes its token)
+    attended: Optional[list[float]] = None  # share of its context each row read, set by a pruned plan
+
+    @classmethod
+    def of(cls, reqs: Sequence, produces: Sequence[bool], decode: bool = True) -> "BatchRows":
+        states = [getattr(r, "entropic", None) if p else None for r, p in zip(reqs, produces)]
+        return cls(list(reqs), list(produces), states, decode)
+
+    def drop_released(self) -> None:
+        """Under the overlap scheduler a request can finish, and SGLang free its request slot, while
+        its last (discarded) step is being sampled: such rows are not controlled or recorded."""
+        self.states = [s if s is not None and r.kv.req_pool_idx is not None else None
+                       for r, s in zip(self.reqs, self.states)]
+
+    def positions(self, kind: str) -> list[int]:
+        """Rows whose state has a `controller` or a `mirostat`."""
+        return [i for i, s in enumerate(self.states) if s is not None and getattr(s, kind) is not None]
+
+
+class ControllerTable:
+    """Controller parameters and state per request-pool slot, `[fields, slots]` on one device."""
+
+    def __init__(self, slots: int, device):
+        self.entropic = torch.zeros(len(CONTROLLER_FIELDS), slots, dtype=torch.float32, device=device)
+        self.mirostat = torch.zeros(len(MIROSTAT_FIELDS), slots, dtype=torch.float32, device=device)
+        self._holder = [0] * slots  # arrival_seq of the state whose values each slot holds (0: none)
+
+    def load(self, slots: list[int], states: list[RequestState], kind: str) -> None:
+        """Upload the states that are not in their slot yet (a new request, or a retracted one moved)."""
+        todo = [(slot, s) for slot, s in zip(slots, states) if self._holder[slot] != s.arrival_seq]
+        if not todo:
+            return
+        table, names = (self.entropic, CONTROLLER_FIELDS) if kind == "controller" else (self.mirostat, MIROSTAT_FIELDS)
+        values = torch.tensor([[float(getattr(getattr(s, kind), n)) for n in names] for _, s in todo])
+        idx = torch.tensor([slot for slot, _ in todo])
+        table[:, idx.to(table.device)] = values.t().to(table.device)
+        for slot, s in todo:
+            self._holder[slot] = s.arrival_seq
+
+
+class SamplingStep:
+    """One sampling step of a batch, at the point where the distribution is actually sampled.
+
+    Logits arrive after penalties and grammar masks. Controlled rows get this step's temperature
+    from this step's logits (zero lag): the row is pre-scaled by T_request / T_new because the
+    sampler then divides by the request temperature. Mirostat rows get their truncation mask.
+    After sampling, every row's entropy and token surprisal are measured on that same
+    distribution (full, before top-k/top-p/min-p) and recorded.
+    """
+
+    def __init__(self, rows: BatchRows, req_pool_indices: torch.Tensor, sampling_info, logits: torch.Tensor,
+                 table: ControllerTable):
+        rows.drop_released()
+        self.rows = rows
+        device = logits.device
+        request_t = sampling_info.temperatures.view(-1).float()
+        self.inv_request_t = 1.0 / request_t
+        # the temperature each row is sampled at: 0 for greedy (SGLang encodes it as top_k = 1)
+        self.used_t = torch.where(sampling_info.top_ks.view(-1) == 1, 0.0, request_t)
+        self.table = table
+
+        ctrl = rows.positions("controller")
+        if ctrl:
+            pos, slots = self._index(ctrl, req_pool_indices, device)
+            table.load([rows.reqs[i].kv.req_pool_idx for i in ctrl], [rows.states[i] for i in ctrl], "controller")
+            z = logits.index_select(0, pos)
+            batch = ControllerBatch(*table.entropic.index_select(1, slots))
+            new_t, _ = batch.step(z)
+            table.entropic[_T].index_copy_(0, slots, batch.temperature)
+            table.entropic[_STEPS].index_copy_(0, slots, batch.steps_done)
+            logits.index_copy_(0, pos, z * (request_t[pos] / new_t).to(z.dtype)[:, None])
+            self.used_t = self.used_t.index_copy(0, pos, new_t)
+
+        self.mirostat_rows = rows.positions("mirostat")
+        if self.mirostat_rows:
+            pos, slots = self._index(self.mirostat_rows, req_pool_indices, device)
+            table.load([rows.reqs[i].kv.req_pool_idx for i in self.mirostat_rows],
+                       [rows.states[i] for i in self.mirostat_rows], "mirostat")
+            z = logits.index_select(0, pos)
+            self.mirostat = MirostatBatch(*table.mirostat.index_select(1, slots))
+            self.mirostat_index = (pos, slots)
+            self.mirostat_logits = self.mirostat.mask(z * self.inv_request_t[pos][:, None])
+            logits.index_copy_(0, pos, z.masked_fill(self.mirostat_logits == float("-inf"), float("-inf")))
+
+    @staticmethod
+    def _index(positions: list[int], req_pool_indices: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.tensor(positions, device=device)
+        return pos, req_pool_indices.to(device).index_select(0, pos).long()
+
+    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, rt: Runtime, seq_lens: list[int]) -> TokenStats:
+        """Measure the sampled rows, then update traces and host state from one transfer."""
+        stats = token_stats(snapshot, token_ids, self.inv_request_t)
+        columns = [stats.entropy, stats.surprisal, stats.valid.float(), self.used_t]
+        if self.mirostat_rows:
+            pos, slots = self.mirostat_index
+            new_mu = self.mirostat.update(self.mirostat_logits, token_ids.index_select(0, pos))
+            self.table.mirostat[0].index_copy_(0, slots, new_mu)
+            columns.append(torch.full_like(stats.entropy, math.nan).index_copy(0, pos, new_mu))
+        host = torch.stack(columns).tolist()  # the step's one device -> host transfer
+        entropy, surprisal, valid, used_t = host[:4]
+
+        attended = self.rows.attended
+        step_tau = step_flops = 0.0
+        measured = []
+        for i, state in enumerate(self.rows.states):
+            if state is None:
+                continue
+            if state.controller is not None:
+                state.controller.temperature = used_t[i]
+                state.controller.steps_done += 1
+            if state.mirostat is not None:
+                state.mirostat.mu = host[4][i]
+            if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
+                state.decode_skips = state.parked_before_token = 0
+            trace = state.trace
+            ok = valid[i] > 0
+            fraction = attended[i] if attended is not None else 1.0
+            if ok:
+                cost = step_cost(rt.dims, seq_lens[i] * fraction)
+                step_tau += trace.record(entropy[i], surprisal[i], cost)
+                step_flops += cost
+                state.gain.observe(entropy[i])
+                state.last_surprisal = surprisal[i]
+                measured.append(entropy[i])
+            else:
+                state.last_surprisal = math.nan
+            # null marks a step whose logits were not finite (nothing measured, tau unchanged)
+            append_customized(
+                self.rows.reqs[i],
+                entropy=entropy[i] if ok else None,
+                surprisal=surprisal[i] if ok else None,
+                temperature=used_t[i],
+                parked=state.parked_before_token,
+                attended=fraction,
+                _entropic_time=trace.tau,
+                _entropic_efficiency=trace.efficiency,
+            )
+        if rt.metrics is not None:
+            rt.metrics.observe(measured, step_tau, step_flops)
+        return stats
+
+
+def append_customized(req, **values) -> None:
+    """Per-token values travel to the client through SGLang's `req.customized_info` -> meta_info."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    for key, value in values.items():
+        req.customized_info.setdefault(key, []).append(value)
+
+
+# ---------------------------------------------------------------------------------------- hooks
+
+
+def after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
+    rt = runtime.current()
+    rt.steps += 1
+    reqs = list(batch.reqs or ())
+    decode = forward_batch.forward_mode.is_decode()
+    if decode:
+        produces = [True] * len(reqs)
+    else:
+        seq_lens = forward_batch.seq_lens_cpu.tolist()  # a host tensor: no device sync
+        produces = [n >= len(r.origin_input_ids) + len(r.output_ids) for n, r in zip(seq_lens, reqs)]
+    # The batch the model runs next (SGLang hands its attention backend a copy of the ForwardBatch,
+    # so the rows live in the Runtime, not on the batch object).
+    rt.rows = BatchRows.of(reqs, produces, decode)
+    return forward_batch
+
+
+def around_model_runner_sample(original, runner, logits_output, forward_batch, *args, **kwargs):
+    rt = runtime.current()
+    rt.forward_batch = forward_batch
+    if rt.controllers is None:
+        rt.controllers = ControllerTable(runner.req_to_token_pool.req_to_token.shape[0], runner.device)
+    try:
+        return original(runner, logits_output, forward_batch, *args, **kwargs)
+    finally:
+        rt.forward_batch = rt.rows = None  # finished requests must not stay referenced
+
+
+def around_sampler_forward(original, sampler, logits_output, sampling_info, *args, **kwargs):
+    rt = runtime.current()
+    fb = rt.forward_batch
+    rows = rt.rows
+    logits = logits_output.next_token_logits
+    if rows is None or logits is None or logits.shape[0] != len(rows.reqs):
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
+    # A fault in our per-step work must cost the step its entropic control, never the scheduler.
+    try:
+        step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers)
+        snapshot = logits.clone()  # the sampler turns logits into probabilities in place
+    except Exception:
+        logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
+        return original(sampler, logits_output, sampling_info, *args, **kwargs)
+    token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
+    try:
+        stats = step.record(snapshot, token_ids, rt, fb.seq_lens_cpu.tolist())
+        if rt.pages is not None:
+            rt.pages.record_sampled(fb.req_pool_indices, rows.produces, stats)
+    except Exception:
+        logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
+    return token_ids

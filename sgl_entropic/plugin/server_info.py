@@ -1,0 +1,62 @@
+"""What the scheduler reports about the plugin: `/server_info` sections (scheduler process).
+
+`entropic` (from `Scheduler.get_init_info`, computed in the scheduler itself): the mode, the
+config and the status of every hook in this process. `internal_states[i].entropic` (live):
+request states and KV in use, for leak checks.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from sgl_entropic.plugin import hooks, runtime
+from sgl_entropic.plugin.validation import ENTROPIC_KEY
+
+
+def after_get_init_info(result, scheduler, *args, **kwargs):
+    rt = runtime.current()
+    missing = hooks.report_missing("scheduler")
+    result[ENTROPIC_KEY] = {
+        "mode": rt.config.mode,
+        "active_loops": rt.config.active_loops,
+        "config": rt.config.model_dump(mode="json"),
+        # Computed here, in the scheduler process: proof that the plugin loaded where it matters.
+        "plugin_loaded_in_scheduler": True,
+        "sglang_version": hooks.installed_sglang_version(),
+        "hooks_applied": not missing,
+        "hooks_missing": missing,
+    }
+    return result
+
+
+def after_get_internal_state(result, scheduler, *args, **kwargs):
+    rt = runtime.current()
+    allocator, tree_cache = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
+    # SGLang keeps finished requests referenced until its next step (last_batch), so a live state
+    # is a leak only when no request the scheduler still holds carries it.
+    held = {id(getattr(r, "entropic", None)) for r in _requests_held_by(scheduler)}
+    leaked = sum(1 for state in list(rt.live_states) if id(state) not in held)
+    if leaked:  # may be garbage in a reference cycle, not yet collected: collect before calling it a leak
+        gc.collect()
+        leaked = sum(1 for state in list(rt.live_states) if id(state) not in held)
+    result.internal_state[ENTROPIC_KEY] = {
+        "live_request_states": len(rt.live_states),
+        "leaked_request_states": leaked,
+        # KV held by requests (the radix cache's evictable prefix pages are not "held")
+        "kv_tokens_in_use": scheduler.max_total_num_tokens - allocator.available_size() - tree_cache.evictable_size(),
+        "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
+    }
+    return result
+
+
+def _requests_held_by(scheduler) -> list:
+    reqs = list(scheduler.waiting_queue) + [r for r in (scheduler.chunked_req,) if r is not None]
+    batches = [scheduler.running_batch, scheduler.last_batch, scheduler.cur_batch_for_debug]
+    # the overlap loop pins its last two launched batches, and a snapshot of their fields, until reused
+    for entry in getattr(scheduler, "batch_record_buf", None) or []:
+        if entry:
+            batches.append(entry[0])
+            reqs += [r for field in entry[1] if isinstance(field, list) for r in field if hasattr(r, "rid")]
+    for batch in batches:
+        reqs += batch.reqs if batch is not None else []
+    return reqs

@@ -1,0 +1,44 @@
+"""Drive the plugin's SamplingStep on plain tensors, as the Sampler.forward hook does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from sgl_entropic.config import EntropicConfig
+from sgl_entropic.costs import ModelDims
+from sgl_entropic.plugin.runtime import Runtime
+from sgl_entropic.plugin.sampling_step import BatchRows, ControllerTable, SamplingStep
+
+
+class Stepper:
+    """One scheduler's worth of state: a Runtime, a controller table, request-pool slots."""
+
+    def __init__(self, config: Optional[EntropicConfig] = None, slots: int = 64):
+        self.rt = Runtime(config or EntropicConfig())
+        self.rt.dims = ModelDims(2, 2, 1, 4, 100.0)
+        self.table = ControllerTable(slots, "cpu")
+        self._next_slot = 1
+
+    def req(self, controller=None, mirostat=None):
+        """A request as SamplingStep sees it, in its own request-pool slot."""
+        state = self.rt.new_request_state(controller, mirostat)
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        return SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=slot))
+
+    def begin(self, reqs, logits, temps, top_ks=None, produces=None) -> SamplingStep:
+        n = len(reqs)
+        info = SimpleNamespace(temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
+                               top_ks=torch.tensor(top_ks or [logits.shape[1]] * n))
+        rows = BatchRows.of(reqs, produces or [True] * n)
+        return SamplingStep(rows, torch.tensor([r.kv.req_pool_idx for r in reqs]), info, logits, self.table)
+
+    def step(self, reqs, logits, temps, top_ks=None, tokens=None, produces=None):
+        """One sampling step; returns (logits as the sampler got them, sampled tokens)."""
+        step = self.begin(reqs, logits, temps, top_ks, produces)
+        if tokens is None:  # a stand-in for the sampler: the argmax of what it was given
+            tokens = torch.nan_to_num(logits, nan=0.0).argmax(dim=-1)
+        step.record(logits.clone(), tokens, self.rt, [32] * len(reqs))
+        return logits, tokens
