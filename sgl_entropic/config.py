@@ -92,17 +92,23 @@ class SchedulingConfig(_Section):
 
 
 class PruningConfig(_Section):
-    """Meso loop: keep KV page b when I_b >= theta_t, with sink/recent guards."""
+    """Meso loop: decode attends the sink and recent pages plus `keep` selected pages (sgl_entropic.pruning)."""
 
-    page_size: int = Field(16, ge=1, le=1024)
-    sink_blocks: int = Field(1, ge=0, le=1024)
-    recent_blocks: int = Field(2, ge=1, le=1024)
-    min_keep_ratio: float = Field(0.25, gt=0.0, le=1.0)
-    max_keep_ratio: float = Field(1.0, gt=0.0, le=1.0)
-    entropy_floor: float = Field(0.0, ge=0.0, le=20.0)
-    min_context: int = Field(1024, ge=0, le=10_000_000)
-    dense_layers: int = Field(0, ge=0, le=1024)
-    aggregate: Literal["max", "mean", "sum"] = "max"
+    selector: Literal["quest", "quest_gated", "surprisal"] = Field(
+        "quest", description="how candidate pages are chosen: query-aware bound, the same re-selected only "
+        "after a surprising token, or the tokens' surprisal (the paper's method)"
+    )
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per page; the server's KV --page-size")
+    sink_blocks: int = Field(1, ge=0, le=1024, description="first pages, always attended")
+    recent_blocks: int = Field(2, ge=1, le=1024, description="last pages, always attended")
+    min_keep_ratio: float = Field(0.4, gt=0.0, le=1.0, description="share of candidate pages kept at H = 0")
+    max_keep_ratio: float = Field(0.6, gt=0.0, le=1.0, description="share kept at H >= reference_entropy")
+    entropy_floor: float = Field(0.0, ge=0.0, le=20.0, description="below this H (nats) the budget stops shrinking")
+    min_context: int = Field(1024, ge=0, le=10_000_000, description="shorter contexts attend everything")
+    dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
+    aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
+    gate_surprisal: float = Field(1.0, ge=0.0, le=100.0, description="quest_gated: re-select after a token this surprising (nats)")
+    gate_max_age: int = Field(4, ge=1, le=10_000, description="quest_gated: re-select at least every N steps")
     reference_entropy: Optional[float] = Field(
         None, gt=0.0, le=20.0, description="H_ref (nats) where the keep ratio reaches max; None: ln(V) / 2 of the model"
     )

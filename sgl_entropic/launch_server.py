@@ -55,6 +55,15 @@ def build_config(mode: Optional[str], config_arg: Optional[str], parser: argpars
     return config
 
 
+def check_sglang_version(parser: argparse.ArgumentParser) -> None:
+    """The plugin's hooks are written against one SGLang version (see sgl_entropic.plugin)."""
+    from sgl_entropic.plugin import ALLOW_UNSUPPORTED_ENV, SUPPORTED_SGLANG, hooks, sglang_supported
+
+    if not sglang_supported() and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+        parser.error(f"sgl-entropic supports sglang {SUPPORTED_SGLANG}, found {hooks.installed_sglang_version()}; "
+                     f"install sglang=={SUPPORTED_SGLANG}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway")
+
+
 def map_schedule_policy(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
     """SGLang's --schedule-policy choices are fixed: `entropic` is ours, the macro loop on top of fcfs."""
     if _flag_value(rest, "--schedule-policy") != "entropic":
@@ -73,7 +82,8 @@ def map_schedule_policy(rest: list[str], config: EntropicConfig, parser: argpars
 
 
 def select_attention_backend(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
-    """The meso loop is an attention backend: `entropic` (FlashInfer on CUDA, torch_native on CPU)."""
+    """The meso loop is an attention backend, `entropic` (FlashInfer on CUDA, torch_native on CPU),
+    over a KV pool paged like the pruning (--page-size = pruning.page_size)."""
     if not config.pruning_on:
         return rest
     chosen = _flag_value(rest, "--attention-backend")
@@ -81,6 +91,13 @@ def select_attention_backend(rest: list[str], config: EntropicConfig, parser: ar
         parser.error(f"--entropic {config.mode} prunes attention in the {ATTENTION_BACKEND!r} backend; "
                      f"drop --attention-backend {chosen} (or use --entropic sampling|scheduling)")
     out = list(rest) if chosen else rest + ["--attention-backend", ATTENTION_BACKEND]
+    # pruning pages are the KV pool's pages: a selected page is one physical page
+    page_size = _flag_value(out, "--page-size")
+    if page_size is None:
+        out += ["--page-size", str(config.pruning.page_size)]
+    elif page_size != str(config.pruning.page_size):
+        parser.error(f"--page-size {page_size} differs from pruning.page_size {config.pruning.page_size}; "
+                     f"set them equal (--entropic-config '{{\"pruning\": {{\"page_size\": {page_size}}}}}')")
     # the decode plan changes every step, which CUDA graphs cannot replay (no-op on CPU)
     return out if _has_flag(out, "--disable-cuda-graph") else out + ["--disable-cuda-graph"]
 
@@ -124,6 +141,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("\nSGLang's own flags follow.\n")
     own, rest = parser.parse_known_args(argv)
     config = build_config(own.entropic, own.entropic_config, parser)
+    check_sglang_version(parser)
     rest = map_schedule_policy(rest, config, parser)
     rest = select_attention_backend(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
@@ -140,6 +158,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()  # before SGLang's argparse, so plugin-registered choices are accepted
+    from sgl_entropic.plugin import hooks
+
+    hooks.report_missing("main")  # each hook that did not apply is logged as an error, by target
     server_args = prepare_server_args(rest)
     print(
         f"sgl-entropic: mode={config.mode} (active: {', '.join(config.active_loops)}), "

@@ -1,6 +1,6 @@
-"""The CPU entropic attention backend on hand-built KV pools: sparse decode is exact dense
-attention over the kept tokens, keeping everything is bit-identical to stock torch_native, and
-the prompt scores are the model's own -ln p(x_i | x_<i)."""
+"""The CPU entropic attention backend on hand-built paged KV pools: the page store's min/max equal
+the pages' keys, selected pages are the best by an independently computed bound, sparse decode is
+exact attention over the kept pages, and a step that prunes nothing is stock torch_native."""
 
 from __future__ import annotations
 
@@ -10,22 +10,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_entropic.config import PruningConfig
-from sgl_entropic.plugin.attention import SurprisalStore, torch_native_backend
-from sgl_entropic.pruning import kept_token_indices, select_blocks, block_scores, sparse_decode_attention
+from sgl_entropic.config import EntropicConfig, PruningConfig
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
+from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin.sampling_step import BatchRows
+from sgl_entropic.pruning import num_pages, row_pages, sparse_decode_attention
+from sgl_entropic.signal import EntropyTrace
 
 pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-HEADS_Q, HEADS_KV, DIM, LAYERS = 6, 2, 16, 3
-POOL_SLOTS, REQ_SLOTS, MAX_CONTEXT = 4096, 8, 1024
+HEADS_Q, HEADS_KV, DIM, LAYERS, P = 6, 2, 16, 3, 16
+POOL_PAGES, REQ_SLOTS, MAX_CONTEXT = 512, 8, 2048
+CFG = PruningConfig(min_context=64, page_size=P, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.3,
+                    max_keep_ratio=0.3)
 
 
 class _KVPool:
     def __init__(self, gen):
-        self.k = [torch.randn(POOL_SLOTS, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
-        self.v = [torch.randn(POOL_SLOTS, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
+        slots = POOL_PAGES * P
+        self.k = [torch.randn(slots, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
 
     def get_key_buffer(self, layer_id):
         return self.k[layer_id]
@@ -34,56 +41,48 @@ class _KVPool:
         return self.v[layer_id]
 
 
-def _runner(gen):
-    return SimpleNamespace(
-        device="cpu",
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
-        token_to_kv_pool=_KVPool(gen),
-        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS),
-    )
-
-
 def _layer(layer_id):
     return SimpleNamespace(layer_id=layer_id, tp_q_head_num=HEADS_Q, tp_k_head_num=HEADS_KV, qk_head_dim=DIM,
                            v_head_dim=DIM, scaling=1 / math.sqrt(DIM), is_cross_attention=False,
                            sliding_window_size=-1)
 
 
-def _decode_batch(runner, gen, context_lens, req_slots):
-    """Requests with scattered KV slots (like a fragmented pool) at their decode step."""
-    perm = torch.randperm(POOL_SLOTS, generator=gen)
+def _setup(cfg, context_lens, entropies=None, seed=0):
+    """Requests on scattered physical pages (a fragmented pool), their prompts' keys in the store."""
+    gen = torch.Generator().manual_seed(seed)
+    runner = SimpleNamespace(
+        device="cpu", page_size=cfg.page_size,
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
+        token_to_kv_pool=_KVPool(gen),
+        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS),
+    )
+    backend = EntropicTorchNativeAttnBackend(runner, cfg)
+    table = runner.req_to_token_pool.req_to_token
+    pages = torch.randperm(POOL_PAGES, generator=gen)
     used = 0
+    req_slots = list(range(1, len(context_lens) + 1))
     for slot, n in zip(req_slots, context_lens):
-        runner.req_to_token_pool.req_to_token[slot, :n] = perm[used : used + n].int()
-        used += n
+        own = pages[used : used + num_pages(n, P)]
+        used += own.numel()
+        table[slot, :n] = (own[:, None] * P + torch.arange(P)).flatten()[:n].int()
+        locs = table[slot, :n].long()
+        for layer in range(LAYERS):  # the prompt's keys, written in two chunks as a chunked prefill would
+            half = n // 2
+            backend.planner.store.write_keys(layer, locs[:half], runner.token_to_kv_pool.k[layer][locs[:half]])
+            backend.planner.store.write_keys(layer, locs[half:], runner.token_to_kv_pool.k[layer][locs[half:]])
     lens = torch.tensor(context_lens)
     idx = torch.tensor(req_slots)
-    return SimpleNamespace(
-        forward_mode=ForwardMode.DECODE,
-        req_pool_indices=idx,
-        seq_lens=lens,
-        seq_lens_cpu=lens,
-        out_cache_loc=runner.req_to_token_pool.req_to_token[idx, lens - 1].long(),
-        encoder_lens=None,
-        spec_info=None,
+    states = [SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i, last_surprisal=0.0)
+              for i, h in enumerate(entropies or [1.0] * len(context_lens))]
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens,
+        out_cache_loc=table[idx, lens - 1].long(), encoder_lens=None, spec_info=None,
     )
-
-
-def _setup(cfg, context_lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    runner = _runner(gen)
-    backend = torch_native_backend(runner, cfg)
-    req_slots = list(range(1, len(context_lens) + 1))
-    batch = _decode_batch(runner, gen, context_lens, req_slots)
-    store = backend.planner.store
-    # skewed surprisal: a few informative tokens in mostly predictable text
-    store.slot.copy_(torch.distributions.Exponential(2.0).sample((POOL_SLOTS,)))
-    store.slot[torch.randint(0, POOL_SLOTS, (60,), generator=gen)] = 9.0
-    entropies = torch.tensor([0.3, 1.5, 4.0, 0.05][: len(context_lens)])
-    store.entropy[torch.tensor(req_slots)] = entropies
-    store.next_surprisal[torch.tensor(req_slots)] = 1.0  # the fed-in token's score
+    # the rows of the batch being run, as the ForwardBatch.init_new hook leaves them
+    batch.rows = runtime.install(EntropicConfig()).rows = BatchRows.of(
+        [SimpleNamespace(entropic=s) for s in states], [True] * len(states))
     q = torch.randn(len(context_lens), HEADS_Q * DIM, generator=gen)
-    return runner, backend, batch, q, entropies
+    return runner, backend, batch, q, states
 
 
 def _decode(backend, batch, q, layer_id):
@@ -91,73 +90,139 @@ def _decode(backend, batch, q, layer_id):
     return backend.forward_decode(q, None, None, _layer(layer_id), batch, save_kv_cache=False)
 
 
-CFG = PruningConfig(min_context=64, page_size=16, sink_blocks=1, recent_blocks=2)
+def _true_bound(q_row, keys):
+    """Per page the bound from the page's own keys, computed plainly: min/max over its tokens, then
+    sum_d max(q_d kmax_d, q_d kmin_d), max over each KV head's query group, sum over KV heads."""
+    kmin, kmax = keys.amin(dim=0), keys.amax(dim=0)  # [H_kv, D]
+    group = HEADS_Q // HEADS_KV
+    total = 0.0
+    for h in range(HEADS_KV):
+        per_query = []
+        for g in range(group):
+            qv = q_row[h * group + g]
+            per_query.append(float(torch.maximum(qv * kmax[h], qv * kmin[h]).sum()))
+        total += max(per_query)
+    return total
 
 
-def test_sparse_decode_equals_dense_attention_restricted_to_the_kept_tokens():
-    context_lens = [700, 300, 1000, 129]
-    runner, backend, batch, q, entropies = _setup(CFG, context_lens)
-    out = _decode(backend, batch, q, layer_id=1)
+def test_store_min_max_are_the_pages_keys_and_bound_the_true_logits():
+    runner, backend, batch, q, _ = _setup(CFG, [700, 300])
     store, table = backend.planner.store, runner.req_to_token_pool.req_to_token
-    pruned_any = False
+    for r, n in enumerate([700, 300]):
+        for page in range(num_pages(n, P)):
+            locs = table[r + 1, page * P : min(n, (page + 1) * P)].long()
+            phys = int(locs[0]) // P
+            keys = runner.token_to_kv_pool.k[1][locs]
+            assert torch.equal(store.kmin[1][phys], keys.amin(dim=0)) and torch.equal(store.kmax[1][phys], keys.amax(0))
+            # an upper bound of every query head's logit on the page
+            qh = q[r].view(HEADS_Q, DIM)
+            logits = torch.einsum("hd,thd->ht", qh, keys.repeat_interleave(HEADS_Q // HEADS_KV, dim=1))
+            bound = torch.maximum(qh.view(HEADS_KV, -1, DIM) * store.kmax[1][phys][:, None],
+                                  qh.view(HEADS_KV, -1, DIM) * store.kmin[1][phys][:, None]).sum(-1).flatten()
+            assert (logits.amax(dim=1) <= bound + 1e-5).all()
+
+
+def test_a_page_reused_by_another_request_restarts_its_min_max():
+    store = PageStore(1, 4 * P, P, 1, 2, torch.float32, "cpu", 4, with_surprisal=False)
+    store.write_keys(0, torch.arange(P, 2 * P), torch.full((P, 1, 2), 5.0))  # page 1: old content
+    fresh = torch.tensor([[[1.0, -1.0]], [[2.0, -3.0]]])
+    store.write_keys(0, torch.tensor([P, P + 1]), fresh)  # page 1 freed and reused: new content from offset 0
+    assert store.kmin[0][1].tolist() == [[1.0, -3.0]] and store.kmax[0][1].tolist() == [[2.0, -1.0]]
+
+
+def test_sparse_decode_attends_exactly_the_best_bounded_pages():
+    context_lens = [700, 300, 1000, 129]
+    runner, backend, batch, q, states = _setup(CFG, context_lens)
+    out = _decode(backend, batch, q, layer_id=1)
+    table = runner.req_to_token_pool.req_to_token
     for r, n in enumerate(context_lens):
-        slots = table[batch.req_pool_indices[r], :n].long()
-        scores = block_scores(store.slot[slots], CFG.page_size)
-        kept = select_blocks(scores, n, float(entropies[r]), CFG, backend.planner.reference_entropy)
-        positions = kept_token_indices(kept, n, CFG.page_size)
-        pruned_any |= positions.numel() < n
-        k = runner.token_to_kv_pool.k[1][slots]
-        v = runner.token_to_kv_pool.v[1][slots]
-        want = sparse_decode_attention(q[r].view(HEADS_Q, DIM), k, v, positions)
+        slots = table[r + 1, :n].long()
+        keys = runner.token_to_kv_pool.k[1][slots]
+        counts = row_pages(n, 1.0, CFG, backend.planner.reference_entropy)
+        candidates = list(range(counts.sink, counts.n - counts.recent))
+        bounds = {p: _true_bound(q[r].view(HEADS_Q, DIM), keys[p * P : (p + 1) * P]) for p in candidates}
+        best = sorted(candidates, key=lambda p: (-bounds[p], p))[: counts.keep]
+        kept = list(range(counts.sink)) + sorted(best) + list(range(counts.n - counts.recent, counts.n))
+        positions = torch.tensor([t for p in kept for t in range(p * P, min(n, (p + 1) * P))])
+        assert counts.prunes
+        want = sparse_decode_attention(q[r].view(HEADS_Q, DIM), keys, runner.token_to_kv_pool.v[1][slots], positions)
         torch.testing.assert_close(out[r].view(HEADS_Q, DIM), want, rtol=1e-5, atol=1e-5)
-        # the guards: sink block and the two most recent blocks are always attended
-        assert set(range(CFG.page_size)) <= set(positions.tolist())
-        assert set(range((math.ceil(n / 16) - 2) * 16, n)) <= set(positions.tolist())
-    assert pruned_any
-    # the fed-in token's surprisal landed in its slot before planning
-    assert torch.equal(store.slot[batch.out_cache_loc], torch.ones(len(context_lens)))
+    fractions = batch.rows.attended
+    assert fractions == pytest.approx([row_pages(n, 1.0, CFG).kept_tokens / n for n in context_lens])
 
 
-def test_keeping_everything_is_bit_identical_to_stock_torch_native():
-    cfg = PruningConfig(min_context=0, min_keep_ratio=1.0, max_keep_ratio=1.0)
-    runner, backend, batch, q, _ = _setup(cfg, [700, 300, 1000])
+def test_a_step_that_prunes_nothing_is_stock_torch_native():
+    everything = CFG.model_copy(update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "min_context": 0})
+    runner, backend, batch, q, _ = _setup(everything, [700, 300, 1000])
     out = _decode(backend, batch, q, layer_id=2)
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    want = stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False)
-    assert torch.equal(out, want)
-    assert backend.planner.attended_fractions(batch) == [1.0, 1.0, 1.0]
+    assert torch.equal(out, stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False))
+    assert backend.step is None and batch.rows.attended is None
 
 
-def test_dense_layers_and_short_contexts_attend_everything():
+def test_rows_below_min_context_keep_every_page_in_a_pruned_step():
+    cfg = CFG.model_copy(update={"min_context": 500})
+    runner, backend, batch, q, _ = _setup(cfg, [1000, 300])
+    out = _decode(backend, batch, q, layer_id=0)
+    stock = TorchNativeAttnBackend(runner)
+    stock.init_forward_metadata(batch)
+    dense = stock.forward_decode(q, None, None, _layer(0), batch, save_kv_cache=False)
+    assert backend.step is not None
+    torch.testing.assert_close(out[1], dense[1], rtol=1e-5, atol=1e-5)  # the short row: all of its pages
+    assert not torch.allclose(out[0], dense[0])
+
+
+def test_dense_layers_attend_everything():
     cfg = CFG.model_copy(update={"dense_layers": 1})
     runner, backend, batch, q, _ = _setup(cfg, [700, 900])
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    dense0 = stock.forward_decode(q, None, None, _layer(0), batch, save_kv_cache=False)
-    dense1 = stock.forward_decode(q, None, None, _layer(1), batch, save_kv_cache=False)
-    assert torch.equal(_decode(backend, batch, q, layer_id=0), dense0)  # a dense layer
-    assert not torch.allclose(_decode(backend, batch, q, layer_id=1), dense1)  # a pruned one
-    fractions = backend.planner.attended_fractions(batch)
-    assert all(f < 1.0 for f in fractions)
-
-    short = CFG.model_copy(update={"min_context": 1000})
-    runner, backend, batch, q, _ = _setup(short, [700, 900])
-    stock = TorchNativeAttnBackend(runner)
-    stock.init_forward_metadata(batch)
-    assert torch.equal(_decode(backend, batch, q, layer_id=1),
-                       stock.forward_decode(q, None, None, _layer(1), batch, save_kv_cache=False))
-    assert backend.planner.attended_fractions(batch) is None
+    assert torch.equal(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, _layer(0), batch, False))
+    assert not torch.allclose(_decode(backend, batch, q, 1), stock.forward_decode(q, None, None, _layer(1), batch, False))
+    assert all(f > 0.3 for f in batch.rows.attended)
 
 
-def test_unknown_scores_are_always_attended():
-    runner, backend, batch, q, _ = _setup(CFG, [800])
+def test_the_entropy_sets_the_budget():
+    cfg = CFG.model_copy(update={"min_keep_ratio": 0.2, "max_keep_ratio": 0.8})
+    _, backend, batch, q, _ = _setup(cfg, [1000, 1000], entropies=[0.0, 20.0])
+    _decode(backend, batch, q, 1)
+    confident, uncertain = backend.step.layout.rows
+    assert confident.keep == math.ceil(0.2 * confident.candidates) and uncertain.keep == uncertain.candidates * 8 // 10
+
+
+def test_quest_gated_reuses_its_selection_until_a_surprise_or_the_age_limit():
+    cfg = CFG.model_copy(update={"selector": "quest_gated", "gate_surprisal": 1.0, "gate_max_age": 3})
+    runner, backend, batch, q, states = _setup(cfg, [1000])
+    first = _decode(backend, batch, q, 1)
+    other_q = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(_decode(backend, batch, q, 1), first) and backend.step.reuse  # same query, reused pages
+    reused = backend.planner.pages(backend.step, 1, other_q.view(1, HEADS_Q, DIM))
+    states[0].last_surprisal = 4.0  # a surprising token: look again
+    backend.init_forward_metadata(batch)
+    assert not backend.step.reuse
+    fresh = backend.planner.pages(backend.step, 1, other_q.view(1, HEADS_Q, DIM))
+    assert not torch.equal(reused[0], fresh[0])
+    states[0].last_surprisal = 0.0
+    ages = []
+    for _ in range(4):
+        backend.init_forward_metadata(batch)
+        ages.append(backend.step.reuse)
+    assert ages == [True, True, False, True]  # at most gate_max_age - 1 reuses in a row
+
+
+def test_surprisal_selector_keeps_unscored_pages():
+    cfg = CFG.model_copy(update={"selector": "surprisal"})
+    runner, backend, batch, q, _ = _setup(cfg, [800])
     slots = runner.req_to_token_pool.req_to_token[1, :800].long()
-    backend.planner.store.slot[slots[400:416]] = math.nan  # e.g. a chunk boundary: never scored
-    backend.planner.store.slot[slots[416:800 - 32]] = 0.0
-    _decode(backend, batch, q, layer_id=1)
-    kept = set(backend.sparse.slots[0, : int(backend.sparse.lens[0])].tolist())
-    assert set(slots[400:416].tolist()) <= kept
+    store = backend.planner.store
+    store.slot_surprisal[slots] = 0.0
+    store.slot_surprisal[slots[400:416]] = math.nan  # never scored (a chunk edge): always kept
+    store.slot_surprisal[slots[160:176]] = 9.0  # one informative page
+    backend.init_forward_metadata(batch)
+    logical, valid = backend.step.fixed
+    kept = set(logical[0][valid[0]].tolist())
+    assert {25, 10} <= kept  # pages 400 / 16 and 160 / 16
 
 
 def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
@@ -174,13 +239,13 @@ def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
     hidden_states = torch.randn(8, hidden, generator=gen)
     slots = torch.tensor([10, 11, 12, 13, 14, 30, 31, 32])
     batch = SimpleNamespace(input_ids=ids, out_cache_loc=slots, extend_start_loc=torch.tensor([0, 5]))
-    store = SurprisalStore(64, 4, "cpu")
+    store = PageStore(1, 64, 16, 1, 2, torch.float32, "cpu", 4, with_surprisal=True)
     store.record_prompt(processor, hidden_states, None, batch)
     logp = torch.log_softmax(hidden_states @ weight.T, dim=-1)
     for seg_start, seg_end in ((0, 5), (5, 8)):
-        assert math.isnan(store.slot[slots[seg_start]])  # no predecessor in this forward
+        assert math.isnan(store.slot_surprisal[slots[seg_start]])  # no predecessor in this forward
         for i in range(seg_start + 1, seg_end):
-            assert store.slot[slots[i]].item() == pytest.approx(-logp[i - 1, ids[i]].item(), rel=1e-5)
+            assert store.slot_surprisal[slots[i]].item() == pytest.approx(-logp[i - 1, ids[i]].item(), rel=1e-5)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
-    assert torch.isnan(store.slot[untouched]).all()
+    assert torch.isnan(store.slot_surprisal[untouched]).all()

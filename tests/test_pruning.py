@@ -1,4 +1,5 @@
-"""The meso loop: block scores, keep ratio, dynamic threshold with guards, sparse decode attention."""
+"""The meso loop's core: the entropy budget, page counts with guards, the page scores (query bound and
+surprisal), the canonical selection and layout, and attention over gathered pages."""
 
 import math
 
@@ -13,24 +14,17 @@ from hypothesis.extra.numpy import arrays
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.pruning import (
     AGGREGATES,
-    DEFAULT_AGGREGATE,
     DEFAULT_REFERENCE_ENTROPY,
-    PruneStats,
-    block_scores,
-    block_scores_batched,
-    block_select,
-    block_select_reference,
-    blocks_at_or_above,
-    decode_threshold,
-    keep_count,
+    PageLayout,
+    gather_pages,
     keep_ratio,
-    kept_token_indices,
-    num_blocks,
-    plan_keep_counts,
+    num_pages,
+    paged_decode_attention,
+    quest_scores,
     reference_entropy_for_vocab,
-    select_blocks,
-    select_blocks_batched,
+    row_pages,
     sparse_decode_attention,
+    surprisal_scores,
 )
 
 INF = float("inf")
@@ -39,85 +33,7 @@ NAN = float("nan")
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True)
 
 
-# ---------------------------------------------------------------------------- block scores
-
-
-def test_block_scores_hand_examples():
-    s = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])  # blocks [1 2 3] [4 5 6] [7]
-    assert block_scores(s, 3, "max").tolist() == [3.0, 6.0, 7.0]
-    assert block_scores(s, 3, "mean").tolist() == [2.0, 5.0, 7.0]  # partial block: over 1 token
-    assert block_scores(s, 3, "sum").tolist() == [6.0, 15.0, 7.0]
-    assert DEFAULT_AGGREGATE == "max"
-    assert torch.equal(block_scores(s, 3), block_scores(s, 3, "max"))
-    assert block_scores(s, 1).tolist() == s.tolist()
-    assert block_scores(s, 100, "mean").tolist() == [4.0]
-    # One surprising token (a passkey digit) among predictable ones: max keeps it visible.
-    passkey = torch.tensor([0.01, 0.01, 9.0, 0.01, 0.5, 0.5, 0.5, 0.5])
-    assert block_scores(passkey, 4, "max").tolist() == pytest.approx([9.0, 0.5])
-    assert block_scores(passkey, 4, "mean").tolist() == pytest.approx([2.2575, 0.5])
-
-
-def test_block_scores_partial_last_block_and_dtypes():
-    s = torch.arange(10, dtype=torch.bfloat16)
-    for aggregate in AGGREGATES:
-        scores = block_scores(s, 4, aggregate)
-        assert scores.dtype == torch.float32 and scores.shape == (3,)
-    assert block_scores(s, 4, "mean")[-1].item() == 8.5  # tokens 8, 9
-    assert block_scores(s, 4, "sum")[-1].item() == 17.0
-    assert block_scores(torch.zeros(0), 4).shape == (0,)
-
-
-@pytest.mark.parametrize("aggregate", AGGREGATES)
-@pytest.mark.parametrize("bad", [NAN, INF, -INF])
-def test_non_finite_surprisal_scores_inf(aggregate, bad):
-    s = torch.tensor([1.0, bad, 0.5, 0.2, 0.1, 0.3, 0.7])
-    scores = block_scores(s, 3, aggregate)
-    assert scores[0].item() == INF
-    assert torch.isfinite(scores[1:]).all()
-    # ... so the block is kept at every budget, ahead of a block of high known surprisal.
-    many = block_scores(torch.tensor([0.1] * 3 + [bad, 0.1, 0.1] + [5.0] * 3 + [0.2] * 6), 3, aggregate)
-    n = torch.tensor([5])
-    cases = [
-        (0, [True, True, False, False, True]),
-        (1, [True, True, False, False, True]),
-        (2, [True, True, True, False, True]),
-    ]
-    for k, want in cases:
-        assert select_blocks_batched(many[None], n, torch.tensor([k]), 1, 1)[0].tolist() == want
-
-
-def test_block_scores_rejects_bad_input():
-    with pytest.raises(ValueError, match="aggregate"):
-        block_scores(torch.ones(4), 2, "median")
-    with pytest.raises(ValueError, match="page_size"):
-        block_scores(torch.ones(4), 0)
-    with pytest.raises(ValueError, match=r"\[T\]"):
-        block_scores(torch.ones(2, 4), 2)
-    with pytest.raises(ValueError, match="lengths"):
-        block_scores_batched(torch.ones(2, 4), torch.tensor([4, 5]), 2)
-
-
-@PROPERTY
-@given(
-    st.integers(1, 4),
-    st.integers(0, 40),
-    st.integers(1, 9),
-    st.sampled_from(AGGREGATES),
-    st.data(),
-)
-def test_batched_scores_equal_per_request_scores(batch, width, page, aggregate, data):
-    values = data.draw(arrays(np.float32, (batch, width), elements=st.floats(0, 30, width=32)))
-    lengths = data.draw(st.lists(st.integers(0, width), min_size=batch, max_size=batch))
-    s = torch.from_numpy(values)
-    got = block_scores_batched(s, torch.tensor(lengths), page, aggregate)
-    assert got.shape == (batch, num_blocks(width, page))
-    for r, length in enumerate(lengths):
-        n = num_blocks(length, page)
-        assert torch.equal(got[r, :n], block_scores(s[r, :length], page, aggregate))
-        assert (got[r, n:] == -INF).all()
-
-
-# ---------------------------------------------------------------------------- keep ratio
+# ---------------------------------------------------------------------------- the entropy budget
 
 
 @st.composite
@@ -180,183 +96,111 @@ def test_keep_ratio_formula_and_edges():
             keep_ratio(1.0, cfg, bad)
 
 
-# ---------------------------------------------------------------------------- selection
+# ---------------------------------------------------------------------------- page counts
+
+
+@PROPERTY
+@given(pruning_configs(), st.integers(1, 400), ENTROPIES)
+def test_row_pages_guards_and_budget(cfg, length, entropy):
+    r = row_pages(length, entropy, cfg)
+    assert r.n == num_pages(length, cfg.page_size) == r.sink + r.candidates + r.recent
+    assert r.recent == min(cfg.recent_blocks, r.n) >= 1 and r.sink <= cfg.sink_blocks
+    if length < cfg.min_context:
+        assert r.keep == r.candidates and not r.prunes
+    else:
+        assert r.keep == min(r.candidates, math.ceil(keep_ratio(entropy, cfg) * r.candidates))
+    # dropped pages are whole candidate pages; the partial last page is never dropped
+    assert r.kept_tokens == length - (r.candidates - r.keep) * cfg.page_size
+
+
+def test_row_pages_by_hand():
+    cfg = PruningConfig(page_size=16, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.25, max_keep_ratio=0.25,
+                        min_context=1024)
+    r = row_pages(4000, 1.0, cfg)  # 250 pages: 1 sink, 2 recent, 247 candidates, keep ceil(61.75) = 62
+    assert (r.n, r.sink, r.recent, r.candidates, r.keep) == (250, 1, 2, 247, 62)
+    assert r.kept_tokens == 4000 - 185 * 16
+    assert not row_pages(1000, 1.0, cfg).prunes  # below min_context
+    tiny = row_pages(20, 1.0, cfg.model_copy(update={"min_context": 0}))  # 2 pages: both recent
+    assert (tiny.sink, tiny.recent, tiny.keep, tiny.kept_tokens) == (0, 2, 0, 20)
+
+
+# ---------------------------------------------------------------------------- page scores
+
+
+def test_quest_scores_by_hand_and_upper_bound():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 8, generator=g)  # 6 query heads over 2 KV heads
+    keys = torch.randn(2, 5, 16, 2, 8, generator=g)  # [B, pages, tokens, H_kv, D]
+    kmin, kmax = keys.amin(dim=2), keys.amax(dim=2)
+    got = quest_scores(q, kmin, kmax)
+    for b in range(2):
+        for p in range(5):
+            want = sum(max(float(sum(max(q[b, h * 3 + g_, d] * kmax[b, p, h, d], q[b, h * 3 + g_, d] * kmin[b, p, h, d])
+                                     for d in range(8))) for g_ in range(3)) for h in range(2))
+            assert float(got[b, p]) == pytest.approx(want, rel=1e-5, abs=1e-5)
+            # the bound of each KV head is at least every true logit of its query group on the page
+            logits = torch.einsum("hgd,thd->hgt", q[b].view(2, 3, 8), keys[b, p])
+            assert float(logits.amax(dim=(1, 2)).sum()) <= float(got[b, p]) + 1e-5
+
+
+def test_surprisal_scores_hand_examples():
+    s = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]])
+    lens = torch.tensor([7])
+    assert surprisal_scores(s, lens, 3, "max").tolist() == [[3.0, 6.0, 7.0]]
+    assert surprisal_scores(s, lens, 3, "mean").tolist() == [[2.0, 5.0, 7.0]]  # partial page: its own tokens
+    assert surprisal_scores(s, lens, 3, "sum").tolist() == [[6.0, 15.0, 7.0]]
+    assert surprisal_scores(s, torch.tensor([4]), 3, "max").tolist() == [[3.0, 4.0, -INF]]  # past the length
+    for bad in (NAN, INF, -INF):
+        assert surprisal_scores(torch.tensor([[1.0, bad, 0.5, 0.2]]), torch.tensor([4]), 2)[0, 0] == INF
+    with pytest.raises(ValueError, match="aggregate"):
+        surprisal_scores(s, lens, 2, "median")
+
+
+# ---------------------------------------------------------------------------- selection and layout
 
 
 @st.composite
-def decode_cases(draw):
-    """(scores, context_len, entropy, cfg): scores with ties, NaN and +-inf sprinkled in."""
-    cfg = draw(pruning_configs())
-    context_len = draw(st.integers(1, 120))
-    n = num_blocks(context_len, cfg.page_size)
-    pool = st.sampled_from([0.0, 0.5, 1.0, 3.0]) | st.floats(-5.0, 30.0, width=32)
-    pool = pool | st.sampled_from([NAN, INF, -INF]) if draw(st.booleans()) else pool
-    scores = torch.tensor(draw(st.lists(pool, min_size=n, max_size=n)), dtype=torch.float32)
-    return scores, context_len, draw(ENTROPIES), cfg
-
-
-def _kept_property(scores, kept, n, k, sink, recent):
-    """The guards, the non-finite-unknown rule, at least k kept, and a clean threshold cut."""
-    j = torch.arange(n)
-    guard = (j < sink) | (j >= n - recent)
-    assert kept[guard].all()
-    s = torch.where(torch.isnan(scores), INF, scores)
-    assert kept[s == INF].all()
-    candidate = ~guard
-    kept_c, pruned_c = s[candidate & kept], s[candidate & ~kept]
-    assert kept_c.numel() >= min(k, int(candidate.sum()))
-    if kept_c.numel() and pruned_c.numel():
-        assert kept_c.min() > pruned_c.max()  # ties at the threshold are all kept
-    if kept_c.numel() > k and pruned_c.numel():
-        # More than k kept only through ties at theta.
-        assert (kept_c == kept_c.min()).sum() > 1 or kept_c.min() == INF
+def layouts(draw):
+    cfg = draw(pruning_configs(page_size=4))
+    batch = draw(st.integers(1, 4))
+    lengths = draw(st.lists(st.integers(1, 120), min_size=batch, max_size=batch))
+    entropies = draw(st.lists(ENTROPIES, min_size=batch, max_size=batch))
+    rows = [row_pages(n, h, cfg) for n, h in zip(lengths, entropies)]
+    width = max(r.n for r in rows)
+    pool = st.sampled_from([0.0, 1.0, 3.0]) | st.floats(-5.0, 30.0, width=32) | st.just(NAN)
+    scores = torch.tensor(draw(arrays(np.float32, (batch, width), elements=pool)))
+    table = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(i))[:width] for i in range(batch)])
+    return rows, scores, table
 
 
 @PROPERTY
-@given(decode_cases())
-def test_guards_and_threshold(case):
-    scores, context_len, entropy, cfg = case
-    n = scores.shape[0]
-    kept = select_blocks(scores, context_len, entropy, cfg)
-    assert kept.dtype == torch.bool and kept.shape == (n,)
-    k = keep_count(context_len, entropy, cfg)
-    _kept_property(scores, kept, n, k, cfg.sink_blocks, cfg.recent_blocks)
-    # The same mask as the threshold form: I_b >= theta_t plus the guards.
-    theta = decode_threshold(scores, context_len, entropy, cfg)
-    assert torch.equal(kept, blocks_at_or_above(scores, theta, cfg.sink_blocks, cfg.recent_blocks))
-    if context_len < cfg.min_context:
-        assert kept.all() and theta == -INF
-    # Without ties, exactly the guards plus k candidates.
-    finite_distinct = torch.isfinite(scores).all() and scores.unique().numel() == n
-    if finite_distinct:
-        guards = min(n, cfg.sink_blocks + cfg.recent_blocks)
-        assert int(kept.sum()) == guards + k
+@given(layouts())
+def test_selection_is_the_canonical_top_k_with_guards(case):
+    rows, scores, table = case
+    layout = PageLayout.build(rows, table)
+    logical, valid = layout.select(scores)
+    for b, r in enumerate(rows):
+        pages = logical[b][valid[b]].tolist()
+        s = [INF if math.isnan(float(x)) else float(x) for x in scores[b]]
+        cand = list(range(r.sink, r.n - r.recent))
+        best = sorted(cand, key=lambda j: (-s[j], j))[: r.keep]  # higher score, then the lower page
+        assert pages == list(range(r.sink)) + sorted(best) + list(range(r.n - r.recent, r.n))
+        assert layout.physical(logical)[b][valid[b]].tolist() == [int(table[b, j]) for j in pages]
+        # the token mask admits exactly the kept tokens, the last page cut to the length
+        assert int(layout.token_mask(logical, valid)[b].sum()) == r.kept_tokens
 
 
-@PROPERTY
-@given(pruning_configs(min_context=0), st.integers(1, 200), st.floats(0.0, 4.0), st.data())
-def test_keep_count_respects_ratios(cfg, context_len, entropy, data):
-    n = num_blocks(context_len, cfg.page_size)
-    m = max(0, n - cfg.sink_blocks - cfg.recent_blocks)
-    k = keep_count(context_len, entropy, cfg)
-    assert math.ceil(cfg.min_keep_ratio * m) <= k <= math.ceil(cfg.max_keep_ratio * m) <= m
-    if m:
-        assert k >= 1  # min_keep_ratio > 0
-    values = data.draw(arrays(np.float32, (n,), elements=st.floats(0, 30, width=32), unique=True))
-    kept = select_blocks(torch.from_numpy(values), context_len, entropy, cfg)
-    # The kept fraction of the whole context is at least rho (guards come on top of it).
-    assert int(kept.sum()) >= keep_ratio(entropy, cfg) * n - 1e-9
-
-
-def test_no_pruning_below_min_context():
-    cfg = PruningConfig(
-        page_size=4, sink_blocks=1, recent_blocks=1, min_keep_ratio=0.1, max_keep_ratio=0.1, min_context=64
-    )
-    scores = torch.arange(16, dtype=torch.float32)
-    assert select_blocks(scores, 63, 0.0, cfg).all()  # 63 tokens < 64: dense
-    assert decode_threshold(scores, 63, 0.0, cfg) == -INF
-    kept = select_blocks(scores, 64, 0.0, cfg)  # 64 tokens: pruned, k = ceil(0.1 * 14) = 2
-    assert kept.tolist() == [True] + [False] * 12 + [True] * 3
-    assert decode_threshold(scores, 64, 0.0, cfg) == 13.0
-
-
-def test_full_keep_ratio_or_infinite_threshold_keeps_everything():
-    scores = torch.tensor([3.0, -INF, 0.0, NAN, 1.0, -2.0, 7.0, 0.5])
-    keep_all = PruningConfig(page_size=2, min_keep_ratio=1.0, max_keep_ratio=1.0, min_context=0)
-    assert select_blocks(scores, 16, 0.0, keep_all).all()
-    assert decode_threshold(scores, 16, 0.0, keep_all) == -INF
-    high = PruningConfig(page_size=2, min_keep_ratio=0.1, max_keep_ratio=1.0, min_context=0)
-    assert select_blocks(scores, 16, 50.0, high).all()  # H >= H_ref reaches max_keep_ratio = 1
-    assert not select_blocks(scores, 16, 0.0, high).all()
-    assert blocks_at_or_above(scores, -INF, 0, 0).all()
-    assert select_blocks_batched(scores[None], torch.tensor([8]), torch.tensor([99]), 0, 0).all()
-
-
-def test_ties_at_threshold_are_all_kept():
-    cfg = PruningConfig(
-        page_size=1, sink_blocks=1, recent_blocks=1, min_keep_ratio=0.25, max_keep_ratio=0.25, min_context=0
-    )
-    scores = torch.tensor([0.0, 1.0, 2.0, 2.0, 2.0, 1.0, 0.5, 0.0, 2.0, 0.0])  # 8 candidates, k = 2
-    kept = select_blocks(scores, 10, 0.0, cfg)
-    assert kept.tolist() == [True, False, True, True, True, False, False, False, True, True]
-    assert torch.equal(select_blocks(torch.ones(10), 10, 0.0, cfg), torch.ones(10, dtype=torch.bool))
-
-
-@PROPERTY
-@given(st.lists(decode_cases(), min_size=1, max_size=4), st.sampled_from([1, 2, 4]))
-def test_batched_selection_equals_per_request(cases, page):
-    cfg = cases[0][3].model_copy(update={"page_size": page})
-    rows = []
-    for s, c, _, _ in cases:
-        n = num_blocks(c, page)
-        rows.append(s.repeat(n // s.numel() + 1)[:n])
-    contexts = [c for _, c, _, _ in cases]
-    entropies = [h for _, _, h, _ in cases]
-    n_blocks, counts = plan_keep_counts(contexts, entropies, cfg)
-    width = int(n_blocks.max()) + 3
-    padded = torch.full((len(rows), width), -INF)
-    for r, s in enumerate(rows):
-        padded[r, : s.numel()] = s
-    kept = select_blocks_batched(padded, n_blocks, counts, cfg.sink_blocks, cfg.recent_blocks)
-    for r, (s, c, h) in enumerate(zip(rows, contexts, entropies)):
-        n = int(n_blocks[r])
-        assert counts[r] == keep_count(c, h, cfg)
-        assert torch.equal(kept[r, :n], select_blocks(s, c, h, cfg))
-        assert not kept[r, n:].any()
-
-
-def test_select_blocks_rejects_wrong_score_length():
-    with pytest.raises(ValueError, match="scores must be"):
-        select_blocks(torch.ones(3), 100, 1.0, PruningConfig())
-
-
-def test_block_select_reference_and_dispatch_on_cpu():
-    g = torch.Generator().manual_seed(0)
-    s = torch.rand(3, 40, generator=g) * 8
-    lengths, counts = torch.tensor([40, 17, 0]), torch.tensor([2, 1, 0])
-    scores, kept = block_select_reference(s, lengths, counts, 4, 1, 1)
-    assert torch.equal(scores, block_scores_batched(s, lengths, 4))
-    assert torch.equal(kept, select_blocks_batched(scores, torch.tensor([10, 5, 0]), counts, 1, 1))
-    got_scores, got_kept = block_select(s, lengths, counts, 4, 1, 1)
-    assert torch.equal(got_scores, scores) and torch.equal(got_kept, kept)
-    assert kept[0].sum() == 4 and kept[1].sum() == 3 and not kept[2].any()
-
-
-# ---------------------------------------------------------------------------- tokens and stats
-
-
-def test_kept_token_indices_and_stats():
-    kept = torch.tensor([True, False, True, True])
-    idx = kept_token_indices(kept, 14, 4)  # blocks of 4, the last holds tokens 12, 13
-    assert idx.dtype == torch.long
-    assert idx.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13]
-    stats = PruneStats.from_mask(kept, 14, 4)
-    assert stats == PruneStats(kept_blocks=3, total_blocks=4, kept_tokens=10, total_tokens=14)
-    assert stats.keep_ratio == pytest.approx(10 / 14) and stats.block_keep_ratio == 0.75
-    assert PruneStats.from_mask(torch.tensor([True, True, False, False]), 14, 4).kept_tokens == 8
-    total = stats + PruneStats(1, 1, 3, 3)
-    assert total == PruneStats(4, 5, 13, 17)
-    # 30 layers, 2 of them dense: per-layer average of 14 and 10 attended tokens.
-    assert stats.attended_tokens(30, dense_layers=2) == pytest.approx((2 * 14 + 28 * 10) / 30)
-    assert stats.kv_bytes(30, 3, 64, 2) == 10 * 30 * 2 * 3 * 64 * 2
-    assert PruneStats(0, 0, 0, 0).keep_ratio == 1.0
-    assert kept_token_indices(torch.zeros(0, dtype=torch.bool), 0, 4).numel() == 0
-    with pytest.raises(ValueError, match="kept must be"):
-        kept_token_indices(kept, 20, 4)
-
-
-@PROPERTY
-@given(st.integers(1, 80), st.integers(1, 9), st.data())
-def test_kept_token_indices_match_blocks(context_len, page, data):
-    n = num_blocks(context_len, page)
-    kept = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
-    idx = kept_token_indices(kept, context_len, page)
-    want = [t for t in range(context_len) if kept[t // page]]
-    assert idx.tolist() == want
-    assert PruneStats.from_mask(kept, context_len, page).kept_tokens == len(want)
+def test_attended_fractions_count_dense_layers():
+    cfg = PruningConfig(page_size=16, min_keep_ratio=0.25, max_keep_ratio=0.25, min_context=0)
+    rows = [row_pages(4000, 1.0, cfg), row_pages(500, 1.0, cfg)]
+    layout = PageLayout.build(rows, torch.zeros(2, 250, dtype=torch.long))
+    kept = [r.kept_tokens / r.length for r in rows]
+    assert layout.attended_fractions(1.0) == pytest.approx(kept)
+    assert layout.attended_fractions(28 / 30) == pytest.approx([1 - 28 / 30 * (1 - k) for k in kept])
 
 
 # ---------------------------------------------------------------------------- attention
+
 
 # SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64.
 H_Q, H_KV, HEAD_DIM = 9, 3, 64
@@ -384,27 +228,29 @@ def test_sparse_attention_all_kept_equals_dense():
     scale = 1.0 / math.sqrt(HEAD_DIM)
     dense = _dense_attention(q, k, v, scale)
     torch.testing.assert_close(sparse_decode_attention(q, k, v, None, scale), dense, atol=1e-5, rtol=1e-5)
-    all_idx = kept_token_indices(torch.ones(num_blocks(97, 16), dtype=torch.bool), 97, 16)
-    torch.testing.assert_close(sparse_decode_attention(q, k, v, all_idx, scale), dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse_decode_attention(q, k, v, torch.arange(97), scale), dense, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sparse_decode_attention(q, k, v), dense, atol=1e-5, rtol=1e-5)  # default scale
 
 
-@pytest.mark.parametrize("seed", [2, 3])
-def test_sparse_attention_equals_dense_on_gathered_tokens(seed):
-    context_len, cfg = 203, PruningConfig(page_size=16, sink_blocks=1, recent_blocks=2, min_context=0)
-    q, k, v = _qkv(context_len, seed)
-    surprisal = torch.rand(context_len, generator=torch.Generator().manual_seed(seed)) * 6
-    kept = select_blocks(block_scores(surprisal, cfg.page_size), context_len, 0.5, cfg)
-    assert not kept.all()
-    idx = kept_token_indices(kept, context_len, cfg.page_size)
-    got = sparse_decode_attention(q, k, v, idx, 0.125)
-    want = _dense_attention(q, k[idx], v[idx], 0.125)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # Query head h reads KV head h // 3: changing KV head 0 moves only query heads 0..2.
-    k2 = k.clone()
-    k2[:, 0] += torch.randn(context_len, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
-    moved = (sparse_decode_attention(q, k2, v, idx, 0.125) - got).abs().amax(dim=1) > 1e-6
-    assert moved.tolist() == [True] * 3 + [False] * 6
+def test_paged_attention_equals_dense_attention_over_the_kept_pages():
+    g = torch.Generator().manual_seed(7)
+    p, pool_pages, batch = 16, 64, 3
+    k_cache = torch.randn(pool_pages * p, H_KV, HEAD_DIM, generator=g)
+    v_cache = torch.randn(pool_pages * p, H_KV, HEAD_DIM, generator=g)
+    cfg = PruningConfig(page_size=p, min_keep_ratio=0.4, max_keep_ratio=0.4, min_context=0)
+    rows = [row_pages(n, 1.0, cfg) for n in (300, 170, 45)]
+    table = torch.stack([torch.randperm(pool_pages, generator=g)[:19] for _ in range(batch)])
+    layout = PageLayout.build(rows, table)
+    logical, valid = layout.select(torch.randn(batch, 19, generator=g))
+    physical = layout.physical(logical)
+    q = torch.randn(batch, H_Q, HEAD_DIM, generator=g)
+    out = paged_decode_attention(q, gather_pages(k_cache, physical, p), gather_pages(v_cache, physical, p),
+                                 layout.token_mask(logical, valid), 0.125)
+    for b, r in enumerate(rows):
+        slots = (table[b, : r.n, None] * p + torch.arange(p)).flatten()[: r.length]  # the row's context
+        kept = [t for j in logical[b][valid[b]].tolist() for t in range(j * p, min(r.length, (j + 1) * p))]
+        want = _dense_attention(q[b], k_cache[slots][kept], v_cache[slots][kept], 0.125)
+        torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
 
 
 def test_sparse_attention_rejects_bad_shapes():

@@ -1,149 +1,132 @@
-"""The meso loop's SGLang attention backends: decode attends only the blocks `pruning` keeps.
+"""The meso loop's SGLang attention backend, `--attention-backend entropic` (scheduler process).
 
-Registered as `--attention-backend entropic` (the launcher selects it for `--entropic
-pruning|full`). Prefill and extend stay dense; a decode step plans once per batch (which token
-positions each row keeps, `pruning.plan_decode`) and every layer runs on that plan:
-  - CPU: TorchNativeAttnBackend's own decode loop, given the kept slots instead of the whole
-    `req_to_token` row (with everything kept the gathered slots, hence the outputs, are stock).
-  - CUDA: FlashInfer's BatchDecodeWithPagedKVCacheWrapper planned over only the kept slots
-    (SGLang's FlashInfer layout has one token per page, so kept blocks list their slots).
-Pruning is a view: nothing is evicted, the next step plans again over the whole context.
-
-Scores live beside the KV pool in `SurprisalStore.slot`, one float per KV slot. RadixAttention
-shares slots between requests with a common prefix, so a reused prefix brings its scores
-along without recomputation.
+Prefill and extend stay dense and fold the keys they write into the page store's min/max
+(`page_store.py`); every decode step plans once (`PagePlanner.plan`: which rows prune, how many
+pages each keeps, from its latest entropy) and every layer selects its pages and attends them:
+  - CPU: a subclass of SGLang's TorchNativeAttnBackend; a sparse layer gathers the kept pages
+    of the whole batch and runs one batched SDPA (`pruning.paged_decode_attention`); a step that
+    prunes nothing runs SGLang's own loop, untouched.
+  - CUDA (`attention_flashinfer.py`): FlashInfer paged decode, one plan per step, the page list
+    rewritten per layer by the Triton page-select kernel.
+`pruning.py` decides; this module adapts it to SGLang's pools and batches. The layouts follow
+`sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm` (per page, per KV head key min/max),
+which is not reused as code: it re-gathers every page's keys per layer from req_to_token, keeps
+fp32 copies per layer in dicts, syncs with the host (.item(), nonzero) on every call, and averages
+a query group, which is not an upper bound. Here the metadata is written once, as KV is written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
-from sgl_entropic.pruning import DecodePlan, plan_decode, reference_entropy_for_vocab
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.pruning import (
+    PageLayout,
+    gather_pages,
+    paged_decode_attention,
+    quest_scores,
+    reference_entropy_for_vocab,
+    row_pages,
+    surprisal_scores,
+)
 
 logger = logging.getLogger("sgl_entropic")
 
-# Rows of prompt logits computed at once when scoring a prefill (bounds the [rows, vocab] buffer).
-_PROMPT_LOGITS_ROWS = 512
+
+@dataclass
+class DecodeStep:
+    """A decode batch's plan: the layout, and for layer-independent selections the pages."""
+
+    layout: PageLayout
+    fixed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (logical, valid) for every layer
+    reuse: bool = False  # quest_gated: every layer reuses its last selection
 
 
-class SurprisalStore:
-    """Token surprisal per KV slot, plus each request slot's latest sampled surprisal and entropy.
-
-    NaN means unknown and makes its block always kept (see `pruning`): the first token of a
-    prompt, the first token of an extend chunk whose predecessor is not in the same forward
-    (chunked prefill boundary, cached prefix), and slots never written.
-    """
-
-    def __init__(self, num_kv_slots: int, num_req_slots: int, device):
-        self.slot = torch.full((num_kv_slots,), math.nan, dtype=torch.float32, device=device)
-        # Written when a request samples, read when that token enters the KV cache next step.
-        self.next_surprisal = torch.full((num_req_slots,), math.nan, dtype=torch.float32, device=device)
-        self.entropy = torch.full((num_req_slots,), math.nan, dtype=torch.float32, device=device)
-
-    def record_sampled(self, req_pool_indices: torch.Tensor, surprisal: torch.Tensor, entropy: torch.Tensor,
-                       valid: torch.Tensor) -> None:
-        nan = torch.tensor(math.nan, device=surprisal.device)
-        idx = req_pool_indices.to(self.entropy.device)
-        self.next_surprisal[idx] = torch.where(valid, surprisal.float(), nan).to(self.slot.device)
-        self.entropy[idx] = torch.where(valid, entropy.float(), nan).to(self.slot.device)
-
-    def write_decode_inputs(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor) -> None:
-        """The token a decode step feeds in was sampled last step: its surprisal goes to its slot."""
-        self.slot[out_cache_loc] = self.next_surprisal[req_pool_indices]
-
-    def record_prompt(self, processor, hidden_states: torch.Tensor, lm_head, forward_batch) -> None:
-        """Surprisal of the extend tokens under the model's own next-token distribution (T = 1).
-
-        Token i of a request's extend segment gets -ln p(x_i | x_<i) from the logits at i - 1;
-        the segment's first token has no predecessor in this forward and stays NaN.
-        """
-        from sglang.srt.layers.logits_processor import LogitsMetadata
-
-        input_ids, slots = forward_batch.input_ids, forward_batch.out_cache_loc
-        n = input_ids.shape[0]
-        if n == 0 or hidden_states.shape[0] != n:
-            return
-        metadata = LogitsMetadata.from_forward_batch(forward_batch)
-        vocab = processor.config.vocab_size
-        surprisal = torch.full((n,), math.nan, dtype=torch.float32, device=hidden_states.device)
-        for start in range(0, n - 1, _PROMPT_LOGITS_ROWS):
-            stop = min(start + _PROMPT_LOGITS_ROWS, n - 1)
-            logits = processor._get_logits(hidden_states[start:stop], lm_head, metadata, use_logits_buffer=False)
-            logp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
-            nxt = input_ids[start + 1 : stop + 1].long()
-            surprisal[start + 1 : stop + 1] = -logp.gather(1, nxt[:, None]).squeeze(1)
-        surprisal[forward_batch.extend_start_loc.to(surprisal.device).long()] = math.nan
-        self.slot[slots] = surprisal.to(self.slot.device)
-
-
-@dataclasses.dataclass
-class SparseDecode:
-    """A decode batch's plan in the layout TorchNativeAttnBackend's loop reads: row r attends
-    slots[r, :lens[r]] (the kept KV slots, ascending positions); flat_slots is the same list
-    row after row, as FlashInfer's page list wants it."""
-
-    plan: DecodePlan
-    flat_slots: torch.Tensor  # [sum(lens)] int
-    slots: torch.Tensor  # [B, max kept] int
-    rows: torch.Tensor  # [B] arange: row r reads slots[r]
-    lens: torch.Tensor  # [B] kept tokens
-
-
-class EntropicDecodePlanner:
-    """The per-batch decision shared by both backends: store writes, plan, traces."""
+class PagePlanner:
+    """The per-step decision shared by the CPU and the CUDA backend."""
 
     def __init__(self, model_runner, cfg: PruningConfig):
+        if model_runner.page_size != cfg.page_size:
+            raise ValueError(f"--attention-backend entropic: pruning.page_size ({cfg.page_size}) must equal the KV "
+                             f"--page-size ({model_runner.page_size}); the launcher sets it")
         self.cfg = cfg
-        self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(model_runner.model_config.vocab_size)
-        layers = model_runner.model_config.num_hidden_layers
-        # the share of layers that read the plan; the first dense_layers read everything
-        self.sparse_share = max(0, layers - cfg.dense_layers) / layers
+        config = model_runner.model_config
+        self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(config.vocab_size)
+        layers = config.num_hidden_layers
+        self.sparse_share = max(0, layers - cfg.dense_layers) / layers  # the first dense_layers read everything
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        kv_slots = model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
-        self.store = SurprisalStore(kv_slots, self.req_to_token.shape[0], self.req_to_token.device)
-        # (req_pool_indices, attended fraction per row) of the last decode plan, for the token traces
-        self.attended: Optional[tuple[list[int], list[float]]] = None
+        k0 = model_runner.token_to_kv_pool.get_key_buffer(0)
+        self.store = PageStore(layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
+                               self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
+        # quest_gated: the rows (arrival seqs) and keep counts of the last selection, its age, and per layer its pages
+        self._gate: tuple[tuple, tuple, int] = ((), (), 0)
+        self._chosen: dict[int, torch.Tensor] = {}
 
-    def attended_fractions(self, forward_batch) -> Optional[list[float]]:
-        """The fractions of the context the rows of this (just run) batch attended; None: all."""
-        if self.attended is None or not forward_batch.forward_mode.is_decode():
-            return None
-        rows, fractions = self.attended
-        return fractions if rows == forward_batch.req_pool_indices.tolist() else None
+    def plan(self, forward_batch, batch_rows) -> Optional[DecodeStep]:
+        """None when this decode step attends densely (nothing to prune, or a batch shape we do not prune).
 
-    def plan(self, forward_batch) -> Optional[SparseDecode]:
-        """None when this batch attends densely (nothing to prune, or a batch shape we do not prune)."""
+        batch_rows: the step's `BatchRows` (the requests' host state: latest entropy and surprisal).
+        """
         self.store.write_decode_inputs(forward_batch.out_cache_loc, forward_batch.req_pool_indices)
-        lens_cpu = forward_batch.seq_lens_cpu
-        self.attended = None
-        if forward_batch.encoder_lens is not None or forward_batch.spec_info is not None:
+        lengths = forward_batch.seq_lens_cpu.tolist()  # a host tensor: no device sync
+        if forward_batch.encoder_lens is not None or forward_batch.spec_info is not None or not lengths:
             return None
-        if lens_cpu.numel() == 0 or int(lens_cpu.max()) < self.cfg.min_context:
+        if max(lengths) < self.cfg.min_context:
             return None
-        width = int(lens_cpu.max())
-        slots = self.req_to_token[forward_batch.req_pool_indices, :width]
-        surprisal = self.store.slot[slots.long()]
-        entropies = self.store.entropy[forward_batch.req_pool_indices].tolist()
-        plan = plan_decode(surprisal, lens_cpu, entropies, self.cfg, self.reference_entropy)
-        share = self.sparse_share
-        self.attended = (forward_batch.req_pool_indices.tolist(),
-                         [1.0 - share * (1.0 - k / c) if c else 1.0 for k, c in zip(plan.kept_tokens, plan.context_lens)])
-        if not plan.prunes:
+        states = _row_states(batch_rows, len(lengths))
+        entropies = [math.nan if s is None or s.trace.last_entropy is None else s.trace.last_entropy for s in states]
+        rows = [row_pages(n, h, self.cfg, self.reference_entropy) for n, h in zip(lengths, entropies)]
+        reuse = self.cfg.selector == "quest_gated" and self._can_reuse(states)
+        if reuse:
+            rows = [r.with_keep(k) for r, k in zip(rows, self._gate[1])]
+        if not any(r.prunes for r in rows):
             return None
-        batch = len(plan.kept_tokens)
-        counts = torch.tensor(plan.kept_tokens, device=slots.device)
-        rows = torch.repeat_interleave(torch.arange(batch, device=slots.device), counts)
-        cols = torch.arange(rows.numel(), device=slots.device) - plan.indptr[:-1].to(slots.device)[rows]
-        kept = torch.zeros(batch, max(plan.kept_tokens), dtype=slots.dtype, device=slots.device)
-        flat = slots[rows, plan.positions.to(slots.device)]
-        kept[rows, cols] = flat
-        return SparseDecode(plan, flat, kept, torch.arange(batch, device=slots.device), counts)
+        p = self.cfg.page_size
+        width = -(-max(lengths) // p)
+        page_table = self.req_to_token[forward_batch.req_pool_indices, : width * p : p].long() // p
+        layout = PageLayout.build(rows, page_table)
+        if batch_rows is not None:  # the per-token `attended` trace and the cost C of this step
+            batch_rows.attended = layout.attended_fractions(self.sparse_share)
+        step = DecodeStep(layout, reuse=reuse)
+        if self.cfg.selector == "surprisal":
+            slots = self.req_to_token[forward_batch.req_pool_indices, : max(lengths)].long()
+            scores = surprisal_scores(self.store.slot_surprisal[slots], layout.lengths, p, self.cfg.aggregate)
+            step.fixed = layout.select(scores)
+        elif self.cfg.selector == "quest_gated":
+            keys = tuple(s.arrival_seq if s is not None else None for s in states)
+            self._gate = (keys, tuple(r.keep for r in rows), self._gate[2] + 1 if reuse else 1)
+        return step
+
+    def _can_reuse(self, states) -> bool:
+        """quest_gated: the same requests as last step, none surprised, the selection young enough."""
+        keys, _, age = self._gate
+        if any(s is None for s in states) or keys != tuple(s.arrival_seq for s in states):
+            return False
+        if age >= self.cfg.gate_max_age:
+            return False
+        return all(s.last_surprisal <= self.cfg.gate_surprisal for s in states)
+
+    def pages(self, step: DecodeStep, layer_id: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logical, valid) pages of this layer: fixed per step, reused, or selected by the bound."""
+        if step.fixed is not None:
+            return step.fixed
+        layout = step.layout
+        if step.reuse and layer_id in self._chosen:
+            return layout.assemble(self._chosen[layer_id])
+        pt = layout.page_table
+        scores = quest_scores(q, self.store.kmin[layer_id][pt], self.store.kmax[layer_id][pt])
+        logical, valid = layout.select(scores)
+        if self.cfg.selector == "quest_gated":
+            self._chosen[layer_id] = logical[:, layout.sink_cols : layout.sink_cols + layout.keep_cols]
+        return logical, valid
 
     def sparse_layer(self, layer) -> bool:
         """Layers that attend the plan: past the dense ones, self-attention without a sliding window."""
@@ -151,90 +134,92 @@ class EntropicDecodePlanner:
         return (layer.layer_id >= self.cfg.dense_layers and not layer.is_cross_attention
                 and (window is None or window < 0))
 
-
-def torch_native_backend(model_runner, cfg: PruningConfig):
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-    class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
-        """torch_native with pruned decode (CPU)."""
-
-        def __init__(self, runner):
-            super().__init__(runner)
-            self.planner = EntropicDecodePlanner(runner, cfg)
-            self.sparse: Optional[SparseDecode] = None
-            self._sparse_layer = False
-
-        def init_forward_metadata(self, forward_batch):
-            super().init_forward_metadata(forward_batch)
-            self.planner.attended = None
-            self.sparse = self.planner.plan(forward_batch) if forward_batch.forward_mode.is_decode() else None
-
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-            self._sparse_layer = self.sparse is not None and self.planner.sparse_layer(layer)
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-
-        def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                                     seq_lens, *args, **kwargs):
-            if self._sparse_layer:  # the stock loop, reading the kept slots of each row
-                req_to_token, req_pool_indices, seq_lens = self.sparse.slots, self.sparse.rows, self.sparse.lens
-            return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, req_to_token,
-                                                    req_pool_indices, seq_lens, *args, **kwargs)
-
-    return EntropicTorchNativeAttnBackend(model_runner)
+    def write_keys(self, layer, forward_batch, k_cache: torch.Tensor) -> None:
+        if not layer.is_cross_attention:
+            locs = forward_batch.out_cache_loc
+            self.store.write_keys(layer.layer_id, locs, k_cache[locs])
 
 
-def flashinfer_backend(model_runner, cfg: PruningConfig):
-    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
-    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
-
-    class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
-        """FlashInfer with pruned decode (CUDA, without CUDA graphs: the plan changes every step)."""
-
-        def __init__(self, runner, *args, **kwargs):
-            super().__init__(runner, *args, **kwargs)
-            self.planner = EntropicDecodePlanner(runner, cfg)
-            updater = self.indices_updater_decode
-            self.sparse_wrapper = BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace_buffer, "NHD", backend=self.decode_backend, use_tensor_cores=self.decode_use_tensor_cores
-            )
-            self._heads = (updater.num_qo_heads, updater.num_kv_heads, updater.head_dim)
-            self.dense_metadata = self.sparse_metadata = None
-
-        def init_forward_metadata(self, forward_batch):
-            super().init_forward_metadata(forward_batch)
-            self.sparse_metadata = None
-            self.planner.attended = None
-            if not forward_batch.forward_mode.is_decode() or len(self.decode_wrappers) != 1:
-                return  # prefill, and cross-attention / SWA layouts (own wrappers): dense
-            sparse = self.planner.plan(forward_batch)
-            if sparse is None:
-                return
-            plan = sparse.plan
-            indptr = plan.indptr.to(device="cuda", dtype=torch.int32)
-            indices = sparse.flat_slots.to(torch.int32)
-            batch = len(plan.kept_tokens)
-            num_qo, num_kv, head_dim = self._heads
-            self.sparse_wrapper.begin_forward(
-                indptr, indices, self.indices_updater_decode.kv_last_page_len[:batch], num_qo, num_kv, head_dim, 1,
-                data_type=self.indices_updater_decode.data_type, q_data_type=self.indices_updater_decode.q_data_type,
-            )
-            self.dense_metadata = self.forward_metadata
-            self.sparse_metadata = dataclasses.replace(self.forward_metadata, decode_wrappers=[self.sparse_wrapper])
-
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-            if self.sparse_metadata is not None:
-                self.forward_metadata = (
-                    self.sparse_metadata if self.planner.sparse_layer(layer) else self.dense_metadata
-                )
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-
-    if model_runner.use_mla_backend:
-        raise ValueError("--attention-backend entropic: MLA models are not supported (their KV layout differs)")
-    return EntropicFlashInferAttnBackend(model_runner, init_new_workspace=model_runner.init_new_workspace)
+def _row_states(rows, batch: int) -> list:
+    """Each row's RequestState (host copy of its latest entropy and surprisal), None if unknown."""
+    if rows is None or len(rows.reqs) != batch:
+        return [None] * batch
+    return [getattr(r, "entropic", None) for r in rows.reqs]
 
 
-def create_backend(model_runner, cfg: PruningConfig):
+class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
+    """torch_native with page-sparse decode (CPU)."""
+
+    def __init__(self, model_runner, cfg: PruningConfig):
+        super().__init__(model_runner)
+        self.planner = PagePlanner(model_runner, cfg)
+        self.step: Optional[DecodeStep] = None
+        self._layer = None
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        decode = forward_batch.forward_mode.is_decode()
+        self.step = self.planner.plan(forward_batch, runtime.current_rows()) if decode else None
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self._layer = layer if self.step is not None and self.planner.sparse_layer(layer) else None
+        out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+        return out
+
+    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, *args, scaling=None, **kwargs):
+        layer = self._layer
+        if layer is None:  # SGLang's own per-request loop
+            return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, *args, scaling=scaling, **kwargs)
+        layout = self.step.layout
+        logical, valid = self.planner.pages(self.step, layer.layer_id, query)
+        physical = layout.physical(logical)
+        k = gather_pages(k_cache, physical, layout.page_size)
+        v = gather_pages(v_cache, physical, layout.page_size)
+        output.copy_(paged_decode_attention(query, k, v, layout.token_mask(logical, valid), scaling))
+        return output
+
+
+def create_backend(model_runner):
     """`--attention-backend entropic`: FlashInfer on CUDA, torch_native elsewhere."""
+    rt = runtime.current()
+    cfg = rt.config.pruning
     if str(model_runner.device).startswith("cuda"):
-        return flashinfer_backend(model_runner, cfg)
-    return torch_native_backend(model_runner, cfg)
+        if model_runner.use_mla_backend:
+            raise ValueError("--attention-backend entropic: MLA models are not supported (their KV layout differs)")
+        from sgl_entropic.plugin.attention_flashinfer import EntropicFlashInferAttnBackend
+
+        backend = EntropicFlashInferAttnBackend(model_runner, cfg)
+    else:
+        backend = EntropicTorchNativeAttnBackend(model_runner, cfg)
+    rt.pages = backend.planner.store  # the prompt-scoring hook (surprisal selector) writes into it
+    return backend
+
+
+def register_backend() -> None:
+    """`--attention-backend entropic` (the launcher passes it for pruning|full)."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:  # the list SGLang's argparse reads
+        ATTENTION_BACKEND_CHOICES.append(BACKEND_NAME)
+    register_attention_backend(BACKEND_NAME)(create_backend)
+
+
+def around_logits_forward(original, processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+    """surprisal selector: prompt tokens' surprisal from the model's own logits, beside their KV slots."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    store = runtime.current().pages
+    if store is not None and isinstance(logits_metadata, ForwardBatch) and logits_metadata.forward_mode.is_extend() \
+            and not logits_metadata.forward_mode.is_target_verify():
+        try:
+            store.record_prompt(processor, hidden_states, lm_head, logits_metadata)
+        except Exception:  # unscored slots stay NaN, i.e. always attended
+            logger.exception("sgl-entropic: scoring the prompt tokens failed; their pages stay attended")
+    return original(processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
