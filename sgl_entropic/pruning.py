@@ -56,6 +56,7 @@ j >= R - recent_r). Valid pages are therefore in ascending page order, the last 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -217,6 +218,7 @@ class PageLayout:
                            self.fixed_valid[:, self.sink_cols:]], 1)
         return logical, valid
 
+    @functools.cached_property
     def compact_cells(self) -> torch.Tensor:
         """Host int64: flat positions in the [B, K] layout of each row's valid cells, row by row, in
         page order (the compact list a paged-attention kernel reads; the row's last page comes last)."""
@@ -229,6 +231,7 @@ class PageLayout:
             cells += range(base + width - row.recent, base + width)
         return torch.tensor(cells, dtype=torch.long)
 
+    @functools.cached_property
     def compact_tokens(self) -> torch.Tensor:
         """Host int64: among the compact pages expanded to page_size slots each, the positions of the
         real tokens (all of every page but the last, which holds length - (n - 1) * page_size)."""
@@ -243,12 +246,10 @@ class PageLayout:
     def physical(self, logical: torch.Tensor) -> torch.Tensor:
         return self.page_table.gather(1, logical)
 
-    def token_mask(self, logical: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """[B, K * page_size] bool: the real tokens of the listed pages (the last page may be partial)."""
-        p = self.page_size
-        count = (self.lengths[:, None] - logical * p).clamp(0, p)
-        mask = (torch.arange(p, device=logical.device)[None, None, :] < count[..., None]) & valid[..., None]
-        return mask.flatten(1)
+    def kept_pages(self, logical: torch.Tensor) -> list[torch.Tensor]:
+        """Each row's kept physical pages in page order (its partial last page last)."""
+        compact = self.physical(logical).flatten()[self.compact_cells.to(logical.device)]
+        return list(torch.split(compact, [r.sink + r.keep + r.recent for r in self.rows]))
 
 
 # ---------------------------------------------------------------------------- page scores
@@ -307,21 +308,29 @@ def surprisal_scores(surprisal: torch.Tensor, lengths: torch.Tensor, page_size: 
 # ---------------------------------------------------------------------------- attention over pages
 
 
-def gather_pages(cache: torch.Tensor, physical: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B, K * page_size, H, D] of a paged cache `[slots, H, D]` (slot = page * page_size + offset)."""
-    heads, dim = cache.shape[1:]
-    return cache.view(-1, page_size, heads, dim)[physical].flatten(1, 2)
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: Sequence[torch.Tensor],
+                           kept_tokens: Sequence[int], page_size: int, scale: float) -> torch.Tensor:
+    """One decode query per row over its kept pages: q `[B, H_q, D]`, caches `[slots, H_kv, D]`
+    (slot = page * page_size + offset), pages[r] the row's physical pages in page order (its
+    partial last page last), kept_tokens[r] their real tokens -> `[B, H_q, D_v]` in q's dtype.
 
-
-def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One decode query per row over its gathered tokens: q `[B, H_q, D]`, k/v `[B, T, H_kv, D]`,
-    mask `[B, T]` bool -> `[B, H_q, D_v]` (GQA: query head h reads KV head h // (H_q / H_kv))."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
+    Row by row in plain float32 matmuls: for one query row this is about ten times faster on
+    CPU than torch's scaled_dot_product_attention (whose fused kernels target blocks of queries),
+    needs no padding mask, and is at least as accurate as a bf16 kernel. GQA: query head h reads
+    KV head h // (H_q / H_kv).
+    """
+    batch, heads_q, dim = q.shape
+    heads_kv = k_cache.shape[1]
+    k_pages = k_cache.view(-1, page_size, heads_kv, dim)
+    v_pages = v_cache.view(-1, page_size, heads_kv, v_cache.shape[-1])
+    out = q.new_empty(batch, heads_q, v_cache.shape[-1])
+    for r in range(batch):
+        n = kept_tokens[r]
+        k = k_pages[pages[r]].flatten(0, 1)[:n].float()  # [T, H_kv, D]
+        v = v_pages[pages[r]].flatten(0, 1)[:n].float()
+        logits = (q[r].float().view(heads_kv, -1, dim) @ k.permute(1, 2, 0)) * scale  # [H_kv, G, T]
+        out[r] = (torch.softmax(logits, dim=-1) @ v.transpose(0, 1)).reshape(heads_q, -1)
+    return out
 
 
 def sparse_decode_attention(

@@ -87,3 +87,27 @@ def test_sparse_wrapper_equals_dense_attention_over_the_kept_slots():
     for r, slots in enumerate(kept):
         want = sparse_decode_attention(q[r], k[slots.long(), 0], v[slots.long(), 0])
         torch.testing.assert_close(out[r].float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_one_plan_serves_every_layer_when_only_the_slot_list_changes():
+    """The backend plans once per step and rewrites the plan's index buffer per layer (the counts per
+    row stay fixed): a run after the rewrite must attend the new slots."""
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    from sgl_entropic.pruning import sparse_decode_attention
+
+    torch.manual_seed(1)
+    heads_q, heads_kv, dim, slots_total, n = 8, 2, 64, 4096, 300
+    k = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
+    first, second = (torch.randperm(slots_total, device="cuda")[:n].int() for _ in range(2))
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+    indices = first.clone()
+    wrapper.plan(torch.tensor([0, n], dtype=torch.int32, device="cuda"), indices,
+                 torch.ones(1, dtype=torch.int32, device="cuda"), heads_q, heads_kv, dim, 1,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    q = torch.randn(1, heads_q, dim, device="cuda", dtype=torch.bfloat16)
+    wrapper._paged_kv_indices_buf[:n].copy_(second)  # what the backend does between layers
+    out = wrapper.run(q, (k, v))
+    want = sparse_decode_attention(q[0], k[second.long(), 0], v[second.long(), 0])
+    torch.testing.assert_close(out[0].float(), want.float(), rtol=2e-2, atol=2e-2)

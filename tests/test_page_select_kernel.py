@@ -51,7 +51,7 @@ def check(args, rows):
     # the planner's layout on the same scores yields the same compact list (the FlashInfer page list)
     layout = PageLayout.build(rows, table.long().cpu())
     logical, _ = layout.select(scores.cpu())
-    assert torch.equal(layout.physical(logical).flatten()[layout.compact_cells()].int(), pages.cpu())
+    assert torch.equal(layout.physical(logical).flatten()[layout.compact_cells].int(), pages.cpu())
     return pages
 
 
@@ -83,13 +83,15 @@ def test_compact_tokens_are_the_slots_the_cpu_path_reads():
     table = torch.stack([torch.randperm(200, generator=torch.Generator().manual_seed(i))[:width] for i in range(3)])
     layout = PageLayout.build(rows, table)
     logical, valid = layout.select(torch.randn(3, width, generator=torch.Generator().manual_seed(5)))
-    physical = layout.physical(logical)
-    slots = (physical[..., None] * 16 + torch.arange(16)).flatten(1)
-    mask = layout.token_mask(logical, valid)
-    compact_pages = physical.flatten()[layout.compact_cells()]
-    flat = (compact_pages[:, None] * 16 + torch.arange(16)).flatten()[layout.compact_tokens()]
-    assert flat.tolist() == slots[mask].tolist()
-    assert [int(m.sum()) for m in mask] == [r.kept_tokens for r in rows]
+    compact_pages = layout.physical(logical).flatten()[layout.compact_cells]
+    flat = (compact_pages[:, None] * 16 + torch.arange(16)).flatten()[layout.compact_tokens]
+    # independently: each row's valid cells, expanded, the row cut to its length
+    want = []
+    for b, r in enumerate(rows):
+        pages = [int(table[b, j]) for j, ok in zip(logical[b].tolist(), valid[b].tolist()) if ok]
+        want += [p * 16 + o for p in pages for o in range(16)][: r.kept_tokens]
+    assert flat.tolist() == want
+    assert [len(p) for p in layout.kept_pages(logical)] == [r.sink + r.keep + r.recent for r in rows]
 
 
 @pytest.mark.gpu

@@ -16,7 +16,6 @@ from sgl_entropic.pruning import (
     AGGREGATES,
     DEFAULT_REFERENCE_ENTROPY,
     PageLayout,
-    gather_pages,
     keep_ratio,
     num_pages,
     paged_decode_attention,
@@ -186,8 +185,8 @@ def test_selection_is_the_canonical_top_k_with_guards(case):
         best = sorted(cand, key=lambda j: (-s[j], j))[: r.keep]  # higher score, then the lower page
         assert pages == list(range(r.sink)) + sorted(best) + list(range(r.n - r.recent, r.n))
         assert layout.physical(logical)[b][valid[b]].tolist() == [int(table[b, j]) for j in pages]
-        # the token mask admits exactly the kept tokens, the last page cut to the length
-        assert int(layout.token_mask(logical, valid)[b].sum()) == r.kept_tokens
+        # the compact list (what the attention kernels read) is the same pages, in the same order
+        assert layout.kept_pages(logical)[b].tolist() == [int(table[b, j]) for j in pages]
 
 
 def test_attended_fractions_count_dense_layers():
@@ -242,10 +241,9 @@ def test_paged_attention_equals_dense_attention_over_the_kept_pages():
     table = torch.stack([torch.randperm(pool_pages, generator=g)[:19] for _ in range(batch)])
     layout = PageLayout.build(rows, table)
     logical, valid = layout.select(torch.randn(batch, 19, generator=g))
-    physical = layout.physical(logical)
     q = torch.randn(batch, H_Q, HEAD_DIM, generator=g)
-    out = paged_decode_attention(q, gather_pages(k_cache, physical, p), gather_pages(v_cache, physical, p),
-                                 layout.token_mask(logical, valid), 0.125)
+    out = paged_decode_attention(q, k_cache, v_cache, layout.kept_pages(logical), [r.kept_tokens for r in rows], p,
+                                 0.125)
     for b, r in enumerate(rows):
         slots = (table[b, : r.n, None] * p + torch.arange(p)).flatten()[: r.length]  # the row's context
         kept = [t for j in logical[b][valid[b]].tolist() for t in range(j * p, min(r.length, (j + 1) * p))]

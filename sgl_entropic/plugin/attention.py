@@ -30,7 +30,6 @@ from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.pruning import (
     PageLayout,
-    gather_pages,
     paged_decode_attention,
     quest_scores,
     reference_entropy_for_vocab,
@@ -177,11 +176,10 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
         if layer is None:  # SGLang's own per-request loop
             return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, *args, scaling=scaling, **kwargs)
         layout = self.step.layout
-        logical, valid = self.planner.pages(self.step, layer.layer_id, query)
-        physical = layout.physical(logical)
-        k = gather_pages(k_cache, physical, layout.page_size)
-        v = gather_pages(v_cache, physical, layout.page_size)
-        output.copy_(paged_decode_attention(query, k, v, layout.token_mask(logical, valid), scaling))
+        logical, _ = self.planner.pages(self.step, layer.layer_id, query)
+        pages = layout.kept_pages(logical)
+        kept = [r.kept_tokens for r in layout.rows]
+        output.copy_(paged_decode_attention(query, k_cache, v_cache, pages, kept, layout.page_size, scaling))
         return output
 
 
@@ -216,7 +214,7 @@ def around_logits_forward(original, processor, input_ids, hidden_states, lm_head
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     store = runtime.current().pages
-    if store is not None and isinstance(logits_metadata, ForwardBatch) and logits_metadata.forward_mode.is_extend() \
+    if store is not None and store.slot_surprisal is not None and isinstance(logits_metadata, ForwardBatch) and logits_metadata.forward_mode.is_extend() \
             and not logits_metadata.forward_mode.is_target_verify():
         try:
             store.record_prompt(processor, hidden_states, lm_head, logits_metadata)

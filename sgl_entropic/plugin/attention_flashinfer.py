@@ -58,7 +58,7 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         page_indptr, token_indptr = (torch.cat([host([0]), host(x).cumsum(0)]).to(device, torch.int32)
                                      for x in ([r.sink + r.keep + r.recent for r in rows], [r.kept_tokens for r in rows]))
         self.sparse = _SparsePlan(
-            step, page_indptr, layout.compact_cells().to(device), layout.compact_tokens().to(device),
+            step, page_indptr, layout.compact_cells.to(device), layout.compact_tokens.to(device),
             tuple(host([getattr(r, f) for r in rows]).to(device) for f in ("n", "sink", "recent", "keep")),
         )
         indices = torch.empty(int(token_indptr[-1]), dtype=torch.int32, device=device)
