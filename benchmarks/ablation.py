@@ -27,8 +27,7 @@ the sum of the single-loop differences.
 
 Outputs: benchmarks/results/ablation-*.json, a markdown table on stdout, and PNGs in
 benchmarks/results/ablation-plots/ (entropy / temperature / tau traces of chat requests under
-`full`; a kept-block heatmap of one long-context request, replayed with `pruning.select_blocks`
-from that request's measured surprisals and entropies).
+`full`; the share of the context each long-context decode step attended, from its traces).
 
     bash scripts/setup.sh --bench                       # matplotlib, tqdm, MT-Bench questions
     .venv/bin/python benchmarks/ablation.py             # about 30 min on 2 CPU cores
@@ -55,7 +54,6 @@ import requests  # noqa: E402
 from attention_pruning import (  # noqa: E402
     code_corpus,
     code_windows,
-    prompt_surprisal,
     rouge_l,
 )
 from sgl_entropic.costs import attention_cost  # noqa: E402
@@ -173,8 +171,6 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         chat_recs = chat_workload(srv.url, workloads["questions"], args.chat_tokens, traces, name in ("sampling", "full"))
         wall = time.perf_counter() - t0
         agent_result = agent_workload(srv.url, args.agent_concurrency, name in ("sampling", "full"))
-        # the prompt surprisals of the first long document, for the kept-block replay
-        first_doc_surprisal = prompt_surprisal(srv.url, workloads["windows"][0]) if name == "full" else None
     recs = long_recs + chat_recs
     chat_entropy = [h for r in chat_recs for h in r["meta"].get("entropy", []) if h is not None]
     efficiency = [r["meta"]["entropic_efficiency"] for r in recs if "entropic_efficiency" in r["meta"]]
@@ -198,7 +194,6 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         "long_texts": [r["text"] for r in long_recs[n_pass:]],
         "chat_traces": [{k: r["meta"].get(k) for k in ("entropy", "temperature", "surprisal")} for r in chat_recs[:4]]
         if traces else [],
-        "prompt_surprisal": first_doc_surprisal,
         "long_traces": [{k: r["meta"].get(k) for k in ("entropy", "surprisal", "attended")} | {"prompt_tokens": r["prompt_tokens"]}
                         for r in long_recs[n_pass:]] if traces else [],
     }
@@ -222,14 +217,12 @@ def superadditivity(results: dict) -> list[list]:
     return rows
 
 
-def plots(results: dict, out_dir: Path, cfg_pruning) -> tuple[list[str], float]:
+def plots(results: dict, out_dir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch
-
-    from sgl_entropic.pruning import block_scores, num_blocks, select_blocks
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -253,30 +246,16 @@ def plots(results: dict, out_dir: Path, cfg_pruning) -> tuple[list[str], float]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    long = results["full"]["long_traces"][0]
-    prompt_surprisal = results["full"]["prompt_surprisal"]
-    steps = len(long["entropy"]) - 1
-    rows, replay_error = [], 0.0
-    for t in range(steps):  # decode step t attends prompt + t + 1 tokens, scored as the server scored them
-        context = long["prompt_tokens"] + t + 1
-        token_scores = prompt_surprisal + [s if s is not None else math.nan for s in long["surprisal"][: t + 1]]
-        scores = block_scores(torch.tensor(token_scores[:context]), cfg_pruning.page_size)
-        kept = select_blocks(scores, context, long["entropy"][t] or math.nan, cfg_pruning,
-                             math.log(49152) / 2)
-        fraction = (kept.sum() * cfg_pruning.page_size - (kept[-1] * (len(kept) * cfg_pruning.page_size - context))) / context
-        if context >= cfg_pruning.min_context:
-            replay_error = max(replay_error, abs(float(fraction) - long["attended"][t + 1]))
-        rows.append(kept.float().tolist() + [math.nan] * (num_blocks(long["prompt_tokens"] + steps, cfg_pruning.page_size)
-                                                          - len(kept)))
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.imshow(rows, aspect="auto", interpolation="nearest", cmap="Greens")
-    ax.set_xlabel(f"KV block ({cfg_pruning.page_size} tokens)")
-    ax.set_ylabel("decode step")
-    ax.set_title("full: kept blocks of one long-context request (replayed with pruning.select_blocks)")
-    paths.append(str(out_dir / "kept_blocks.png"))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for tr in results["full"]["long_traces"]:
+        ax.plot(tr["attended"][1:])  # element 0: the dense prefill
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("share of the context read")
+    ax.set_title("full: what each long-context decode step attended (the plan's kept pages)")
+    paths.append(str(out_dir / "kept_share.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-    return paths, replay_error
+    return paths
 
 
 def main() -> None:
@@ -296,8 +275,6 @@ def main() -> None:
         args.chat_questions, args.chat_tokens, args.passkeys, args.long_context, args.long_docs = 3, 24, 2, 1500, 1
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from sgl_entropic.config import PruningConfig
 
     model, device = bundled_model(), default_device()
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -330,8 +307,7 @@ def main() -> None:
             rouge_l(a, b) for x, s in zip(rs, runs["stock"]) for a, b in zip(x["long_output_ids"], s["long_output_ids"]))
         results[name] = merged
 
-    png, replay_error = plots(results, RESULTS_DIR / "ablation-plots", PruningConfig())
-    log_line(f"kept-block replay vs the server's own attended fractions: max |diff| {replay_error:.3f}")
+    png = plots(results, RESULTS_DIR / "ablation-plots")
 
     def fmt(x, spec=".3g"):
         return "-" if x is None else format(x, spec)
@@ -344,7 +320,7 @@ def main() -> None:
     md = markdown_table(headers, table) + "\n\nSuper-additivity (improvement over stock; higher is better):\n\n" + \
         markdown_table(["metric", "full - stock", "sum of single loops", "verdict"], superadditivity(results))
     path = write_json("ablation", {"environment": environment(), "args": vars(args), "results": results,
-                                   "runs": runs, "markdown": md, "plots": png, "kept_replay_max_diff": replay_error})
+                                   "runs": runs, "markdown": md, "plots": png})
     print(md)
     log_line(f"results: {path}; plots: {', '.join(png)}")
 

@@ -1,49 +1,81 @@
-"""In-process cost of the per-step signal work the plugin adds to every sampling step.
+"""In-process cost of the plugin's whole per-step sampling hook, the per-row Python work included.
 
-What the Sampler hook does per step, on the bundled model's vocabulary: clone the logits
-(the sampler overwrites them), token_stats (entropy, lse, surprisal) and one host transfer.
-Compare the medians with a decode step's duration from signal_overhead.py
-(batch / decode tok/s): the end-to-end A/B on a shared 2-core VM is noisier than 3 %.
+Times `sampling_step.around_sampler_forward`, the Sampler.forward hook the scheduler runs every
+step, around a stand-in sampler (argmax), on the bundled model's vocabulary: batch rows build
+(`BatchRows`), the controllers on the device table, the logits snapshot, token_stats, the one
+device -> host transfer, and every row's trace, customized_info and metrics bookkeeping. Rows mix
+plain, greedy and entropic-sampling requests (--mix). Compare the medians with a decode step's
+duration (batch / decode tok/s from signal_overhead.py or attention_pruning.py).
 
-    .venv/bin/python benchmarks/signal_cost.py [--vocab 49152] [--batch-sizes 1,8] [--iters 200]
+    .venv/bin/python benchmarks/signal_cost.py [--vocab 49152] [--batch-sizes 1,8,32] [--iters 200]
 """
+
+from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from sgl_entropic.signal import token_stats
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sgl_entropic.config import EntropicConfig, SamplingConfig  # noqa: E402
+from sgl_entropic.costs import ModelDims  # noqa: E402
+from sgl_entropic.plugin import runtime, sampling_step  # noqa: E402
+from sgl_entropic.sampling import ControllerState  # noqa: E402
 
 
-def measure(batch: int, vocab: int, iters: int) -> dict:
+def measure(batch: int, vocab: int, iters: int, mix: bool) -> dict:
+    rt = runtime.install(EntropicConfig())
+    rt.dims = ModelDims(30, 9, 3, 64, 2.7e8)
+    rt.controllers = sampling_step.ControllerTable(batch + 1, "cpu")
+    cfg = SamplingConfig(target_entropy=2.0)
+    reqs = []
+    for i in range(batch):
+        controlled = mix and i % 2 == 1
+        state = rt.new_request_state(ControllerState.from_config(cfg, 0.8) if controlled else None, None)
+        reqs.append(SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=i + 1),
+                                    origin_input_ids=[0] * 100, output_ids=[]))
+    greedy = [mix and i % 4 == 0 for i in range(batch)]
+    info = SimpleNamespace(temperatures=torch.tensor([[1.0 if g else 0.8] for g in greedy]),
+                           top_ks=torch.tensor([1 if g else vocab for g in greedy]))
+    fb = SimpleNamespace(req_pool_indices=torch.arange(1, batch + 1), seq_lens_cpu=torch.full((batch,), 1000))
     logits = torch.randn(batch, vocab)
-    tokens = torch.randint(0, vocab, (batch,))
-    inv_t = torch.ones(batch)
+
+    def sampler(_sampler, out, _info, *args, **kwargs):
+        return out.next_token_logits.argmax(dim=-1)
+
     times = []
     for i in range(iters + 5):
+        out = SimpleNamespace(next_token_logits=logits.clone())
         start = time.perf_counter()
-        snapshot = logits.clone()
-        stats = token_stats(snapshot, tokens, inv_t)
-        stats.entropy.tolist(), stats.surprisal.tolist(), stats.valid.tolist()
+        rt.rows = sampling_step.BatchRows.of(reqs, [True] * batch)  # what ForwardBatch.init_new builds
+        rt.forward_batch = fb
+        sampling_step.around_sampler_forward(sampler, None, out, info)
         if i >= 5:
             times.append(time.perf_counter() - start)
+        if i % 50 == 0:  # keep the traces from growing without bound, as finished requests would
+            for r in reqs:
+                r.customized_info = None
     times.sort()
-    return {"batch": batch, "vocab": vocab, "median_ms": 1e3 * times[len(times) // 2], "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
+    return {"batch": batch, "vocab": vocab, "mix": mix, "median_ms": 1e3 * times[len(times) // 2],
+            "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
-    rows = [measure(int(b), args.vocab, args.iters) for b in args.batch_sizes.split(",")]
-    print(f"torch threads: {torch.get_num_threads()}\n\n| batch | vocab | median ms/step | p90 ms/step |\n|---|---|---|---|")
+    rows = [measure(int(b), args.vocab, args.iters, mix) for mix in (False, True) for b in args.batch_sizes.split(",")]
+    print(f"torch threads: {torch.get_num_threads()}\n\n| rows | batch | median ms/step | p90 ms/step |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['vocab']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
+        print(f"| {'plain' if not r['mix'] else 'mixed'} | {r['batch']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
     out = Path(__file__).parent / "results" / "signal_cost.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2))

