@@ -77,7 +77,8 @@ def report_missing(process: Process) -> list[str]:
     """The targets of this process's hooks that do not run our handler, each logged as an error."""
     from sgl_entropic.plugin import runtime
 
-    targets = missing(runtime.current().hooks, process)
+    rt = runtime.installed()
+    targets = missing(rt.hooks, process) if rt is not None else []
     for target in targets:
         logger.error("sgl-entropic: hook on %s is NOT applied in the %s process; the feature it carries is off",
                      target, process)
