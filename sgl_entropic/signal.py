@@ -141,11 +141,8 @@ def token_stats_reference(
         & torch.isfinite(row_max)
         & (token_logit > float("-inf"))
     )
-    if bool(valid.all()):
-        entropy, lse = _entropy_and_lse(x, row_max)
-    else:
-        # Invalid rows become all-zero rows so that the math below stays NaN-free.
-        entropy, lse = _entropy_and_lse(torch.where(valid[:, None], x, 0.0))
+    # Invalid rows may come out NaN here; the masks below replace them (no host check, no sync).
+    entropy, lse = _entropy_and_lse(x, row_max)
     surprisal = lse - torch.where(valid, token_logit, 0.0)
     return TokenStats(
         torch.where(valid, entropy, 0.0),

@@ -42,3 +42,23 @@ class Stepper:
             tokens = torch.nan_to_num(logits, nan=0.0).argmax(dim=-1)
         step.record(logits.clone(), tokens, self.rt, [32] * len(reqs))
         return logits, tokens
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records the tensor calls that would wait for a GPU (device -> host reads), except on `host`
+    tensors (those SGLang already keeps on the host, such as seq_lens_cpu)."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero,
+             torch.nonzero, torch.Tensor.repeat_interleave, torch.repeat_interleave, torch.masked_select,
+             torch.Tensor.masked_select, torch.Tensor.unique, torch.unique}
+
+    def __init__(self, host=()):
+        super().__init__()
+        self.host = [id(t) for t in host]
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS and not (args and id(args[0]) in self.host):
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))

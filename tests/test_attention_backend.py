@@ -249,3 +249,18 @@ def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert torch.isnan(store.slot_surprisal[untouched]).all()
+
+
+@pytest.mark.parametrize("selector", ["quest", "quest_gated", "surprisal"])
+def test_a_pruned_step_does_not_read_the_device(selector):
+    """Planning and every layer's selection and attention stay on the device: the only host values
+    used are SGLang's own host copies (seq_lens_cpu) and the entropies the sampling step fetched."""
+    from tests.stepping import HostReads
+
+    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"selector": selector}), [700, 300, 1000, 129])
+    with HostReads(host=[batch.seq_lens_cpu]) as mode:
+        for step in range(2):
+            backend.init_forward_metadata(batch)
+            for layer in range(LAYERS):
+                backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
+    assert backend.step is not None and mode.reads == [], mode.reads

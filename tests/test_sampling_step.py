@@ -11,7 +11,7 @@ from sgl_entropic.config import EntropicConfig, SamplingConfig
 from sgl_entropic.plugin import runtime, sampling_step
 from sgl_entropic.plugin.validation import request_controllers
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature, entropy
-from tests.stepping import Stepper
+from tests.stepping import HostReads, Stepper
 
 
 def test_only_entropic_rows_are_touched():
@@ -103,3 +103,16 @@ def test_request_controllers_is_the_one_check():
         request_controllers(params({}, top_k=1), cfg)
     with pytest.raises(ValueError, match="not enabled"):
         request_controllers(params({}), EntropicConfig(mode="scheduling"))
+
+
+
+def test_a_step_reads_the_device_once():
+    s = Stepper()
+    cfg = SamplingConfig(target_entropy=1.0, warmup=0)
+    reqs = [s.req(controller=ControllerState.from_config(cfg, 0.8)) if i % 3 == 1 else
+            s.req(mirostat=MirostatState.from_config(SamplingConfig(controller="mirostat_v2", tau=2.0))) if i % 3 == 2
+            else s.req() for i in range(8)]
+    for _ in range(3):  # the first steps too, and a warmed-up one
+        with HostReads() as mode:
+            s.step(reqs, torch.randn(8, 50), [0.8] * 8)
+        assert mode.reads == ["tolist"], mode.reads
