@@ -1,6 +1,6 @@
 """The short version of the sparse-decode quality suite (benchmarks/sparse_quality.py): on SGLang's
-own ModelRunner, dense and pruned decode side by side on real source code, teacher-forced along the
-dense greedy continuation. The default (query-aware) selector must stay close to dense; the
+own ModelRunner, dense and pruned decode side by side on two 4k windows of real source code,
+teacher-forced along the dense greedy continuation. The default (query-aware) selector must stay close to dense; the
 surprisal-only selector, at the same budget, must not, which shows that the check discriminates."""
 
 import json
@@ -20,10 +20,13 @@ import sparse_quality as q
 from sgl_entropic.config import PruningConfig
 
 rt = q.Runtime("bfloat16", max_total_tokens=8192)
-windows = q.windows(rt.tokenizer, {2000: 1})
-windows = [w for w in windows if w.name.startswith("code")]
+# 4k tokens (the targets' range) from the middle of two SGLang source files: fixed, whatever else is installed
+windows = []
+for path in q.code_files()[:2]:
+    ids = rt.tokenizer(path.read_text()).input_ids
+    windows.append(q.Window(path.stem, ids[len(ids) // 2 - 2000 : len(ids) // 2 + 2000]))
 cfgs = {"quest": PruningConfig(), "surprisal": PruningConfig(selector="surprisal")}
-result = q.run_suite(rt, cfgs, windows, 24, lambda msg: None)
+result = q.run_suite(rt, cfgs, windows, 16, lambda msg: None)
 print("RESULT " + json.dumps(result))
 """
 
@@ -33,7 +36,7 @@ def test_default_selector_stays_close_to_dense_where_surprisal_does_not():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-4000:]
     result = json.loads(lines[0][len("RESULT "):])
-    quest, surprisal = result["quest"]["2"], result["surprisal"]["2"]
+    quest, surprisal = result["quest"]["4"], result["surprisal"]["4"]
     assert quest["kept_share"] < 0.75  # it really pruned
-    assert quest["kl_mean"] < 0.05 and quest["top1_gap"] >= 0.9, quest
+    assert quest["kl_mean"] < 0.02 and quest["top1_gap"] >= 0.9, quest  # the issue's KL target
     assert surprisal["kl_mean"] > 3 * quest["kl_mean"], (quest, surprisal)
