@@ -127,6 +127,11 @@ class RowPages:
         return self.length - (self.candidates - self.keep) * self.page_size
 
     @property
+    def read_pages(self) -> int:
+        """Pages one decode step reads: sink, kept candidates, recent."""
+        return self.sink + self.keep + self.recent
+
+    @property
     def prunes(self) -> bool:
         return self.keep < self.candidates
 
@@ -188,10 +193,6 @@ class PageLayout:
         return cls(list(rows), page_size, page_table, t([r.length for r in rows]), s_cols, k_cols, r_cols,
                    candidate, fixed_logical, fixed_valid, keep_valid)
 
-    @property
-    def prunes(self) -> bool:
-        return any(r.prunes for r in self.rows)
-
     def attended_fractions(self, sparse_layer_share: float) -> list[float]:
         """Per row, the share of its context one decode step reads, averaged over layers: the sparse
         layers read the kept pages, the others (dense_layers) everything."""
@@ -238,7 +239,7 @@ class PageLayout:
         keep: list[int] = []
         start = 0
         for row in self.rows:
-            count, p = row.sink + row.keep + row.recent, row.page_size
+            count, p = row.read_pages, row.page_size
             keep += range(start, start + (count - 1) * p + row.length - (row.n - 1) * p)
             start += count * p
         return torch.tensor(keep, dtype=torch.long)
@@ -249,7 +250,7 @@ class PageLayout:
     def kept_pages(self, logical: torch.Tensor) -> list[torch.Tensor]:
         """Each row's kept physical pages in page order (its partial last page last)."""
         compact = self.physical(logical).flatten()[self.compact_cells.to(logical.device)]
-        return list(torch.split(compact, [r.sink + r.keep + r.recent for r in self.rows]))
+        return list(torch.split(compact, [r.read_pages for r in self.rows]))
 
 
 # ---------------------------------------------------------------------------- page scores

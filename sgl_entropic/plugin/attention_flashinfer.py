@@ -56,12 +56,13 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         rows = layout.rows
         host = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
         page_indptr, token_indptr = (torch.cat([host([0]), host(x).cumsum(0)]).to(device, torch.int32)
-                                     for x in ([r.sink + r.keep + r.recent for r in rows], [r.kept_tokens for r in rows]))
+                                     for x in ([r.read_pages for r in rows], [r.kept_tokens for r in rows]))
         self.sparse = _SparsePlan(
             step, page_indptr, layout.compact_cells.to(device), layout.compact_tokens.to(device),
             tuple(host([getattr(r, f) for r in rows]).to(device) for f in ("n", "sink", "recent", "keep")),
         )
-        indices = torch.empty(int(token_indptr[-1]), dtype=torch.int32, device=device)
+        # sized from the host counts: reading token_indptr[-1] back would sync with the device
+        indices = torch.empty(sum(r.kept_tokens for r in rows), dtype=torch.int32, device=device)
         num_qo, num_kv, head_dim = self._heads
         self.sparse_wrapper.begin_forward(
             token_indptr, indices, torch.ones(len(rows), dtype=torch.int32, device=device),
