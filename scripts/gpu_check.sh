@@ -2,7 +2,7 @@
 # The Triton kernels on a CUDA machine that has torch and triton but no sglang (the `device` tool's
 # machine): their GPU tests at real sizes, then each kernel's time and achieved bandwidth against
 # the device's peak. Usage: bash scripts/gpu_check.sh   (writes logs to $OUT, or /tmp/gpu_check)
-# Without pydantic there, carry its wheels in .whl/ (see README, "GPU check").
+# Without pydantic there, carry its wheels in .whl/ (README, Pruning: "GPU check").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_check}
