@@ -17,8 +17,11 @@ expected entropy reduction per unit of compute, KV memory and latency risk.  The
     ``E[dH]`` is an EMA with decay ``d = cfg.gain_ema``: ``g_k = d*g_{k-1} + (1-d)*d_k``,
     started at a prior ``g_0``.  The first ``observe`` only records ``H`` (there is no drop
     without a previous entropy), so the prior stands until the second observation.
-    Prior (:func:`prior_gain`): ``g_0 = 0.5 * mu`` where ``mu`` is the mean surprisal of
-    the prompt tokens in nats when the runtime knows it, else
+    Prior (:func:`initial_gain`): the E[dH] last seen for the same first prompt tokens
+    (:class:`GainMemory`: the previous turn of a conversation, or requests over the same
+    system prompt); else :func:`prior_gain`, ``g_0 = 0.5 * mu`` where ``mu`` is the mean step
+    entropy expected: the request's target H* when its sampling controller holds it there,
+    or the mean surprisal of the prompt tokens in nats when a caller knows it, else
     ``DEFAULT_MEAN_ENTROPY_NATS = 2.0`` (the default target entropy H* of the sampling
     loop).  Why 0.5: for a calibrated model E[H_t] equals the expected surprisal, so ``mu``
     estimates the mean step entropy; if step entropies were i.i.d. exponential with mean
@@ -120,6 +123,8 @@ __all__ = [
     "DEFAULT_SCALES",
     "GainEstimator",
     "prior_gain",
+    "initial_gain",
+    "GainMemory",
     "age_limit_steps",
     "cost_terms",
     "priority",
@@ -246,16 +251,56 @@ def prior_gain(prompt_mean_surprisal: Optional[float] = None) -> float:
     return 0.5 * mu
 
 
+class GainMemory:
+    """E[dH] last seen per prompt prefix, so a waiting request starts from what the runtime knows.
+
+    The key is the request's first ``prefix_tokens`` prompt tokens: the next turn of a
+    conversation repeats the previous turn's prompt, and requests over one system prompt share
+    it, so both find the gain their predecessors showed. Least recently written entries go
+    first past ``capacity``. Plain integers in, floats out: the same on every TP rank.
+    """
+
+    def __init__(self, prefix_tokens: int = 64, capacity: int = 4096) -> None:
+        _count("prefix_tokens", prefix_tokens)
+        _count("capacity", capacity)
+        self.prefix_tokens, self.capacity = prefix_tokens, capacity
+        self._gains: dict[tuple[int, ...], float] = {}
+
+    def key(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
+        return tuple(prompt_ids[: self.prefix_tokens])
+
+    def get(self, key: tuple[int, ...]) -> Optional[float]:
+        return self._gains.get(key)
+
+    def put(self, key: tuple[int, ...], gain: float) -> None:
+        self._gains.pop(key, None)  # re-insert: dicts keep insertion order, oldest first
+        self._gains[key] = _finite("gain", gain)
+        if len(self._gains) > self.capacity:
+            del self._gains[next(iter(self._gains))]
+
+    def __len__(self) -> int:
+        return len(self._gains)
+
+
+def initial_gain(remembered: Optional[float], target_entropy: Optional[float]) -> float:
+    """A new request's E[dH]: the gain remembered for its prompt prefix; else, for a request whose
+    entropy a controller holds near H*, :func:`prior_gain` with mu = H*; else the default prior."""
+    if remembered is not None:
+        return _finite("remembered gain", remembered)
+    return prior_gain(target_entropy)
+
+
 class GainEstimator:
-    """Per-request EMA of positive entropy drops, started at :func:`prior_gain`."""
+    """Per-request EMA of positive entropy drops, started at a prior (:func:`initial_gain`)."""
 
     __slots__ = ("_decay", "_gain", "_last_entropy", "_drops")
 
     prior_gain = staticmethod(prior_gain)
 
-    def __init__(self, cfg: SchedulingConfig, prompt_mean_surprisal: Optional[float] = None) -> None:
+    def __init__(self, cfg: SchedulingConfig, prompt_mean_surprisal: Optional[float] = None,
+                 initial: Optional[float] = None) -> None:
         self._decay = float(cfg.gain_ema)
-        self._gain = prior_gain(prompt_mean_surprisal)
+        self._gain = prior_gain(prompt_mean_surprisal) if initial is None else _finite("initial", initial)
         self._last_entropy: Optional[float] = None
         self._drops = 0
 

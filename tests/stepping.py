@@ -22,9 +22,9 @@ class Stepper:
         self.table = ControllerTable(slots, "cpu")
         self._next_slot = 1
 
-    def req(self, controller=None, mirostat=None):
+    def req(self, controller=None, mirostat=None, prompt_ids=()):
         """A request as SamplingStep sees it, in its own request-pool slot."""
-        state = self.rt.new_request_state(controller, mirostat)
+        state = self.rt.new_request_state(controller, mirostat, prompt_ids)
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         return SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=slot))
 

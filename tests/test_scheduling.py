@@ -383,3 +383,20 @@ def test_gain_estimator_forgets_prior_geometrically():
     for _ in range(50):
         est.observe(1.0)  # constant entropy: no drops
     assert est.expected_gain == pytest.approx(5.0 * 0.8**50)
+
+
+def test_gain_memory_keeps_the_latest_gain_per_prompt_prefix_and_forgets_the_oldest():
+    from sgl_entropic.scheduling import GainMemory, initial_gain
+
+    memory = GainMemory(prefix_tokens=4, capacity=2)
+    a, b, c = memory.key([1, 2, 3, 4, 5]), memory.key([1, 2, 3, 9]), memory.key([7])
+    assert a == memory.key([1, 2, 3, 4, 99])  # only the first 4 tokens count
+    memory.put(a, 0.5)
+    memory.put(b, 0.2)
+    memory.put(a, 0.7)  # a is now the most recent
+    memory.put(c, 0.1)  # over capacity: b, the least recently written, goes
+    assert (memory.get(a), memory.get(b), memory.get(c), len(memory)) == (0.7, None, 0.1, 2)
+    assert initial_gain(0.7, 3.0) == 0.7  # what was seen beats any prior
+    assert initial_gain(None, 3.0) == 1.5 and initial_gain(None, None) == 1.0
+    with pytest.raises(ValueError):
+        memory.put(a, float("nan"))

@@ -39,5 +39,5 @@ def after_create_generation_req(req, scheduler, *args, **kwargs):
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
         controllers = (None, None)
         req.set_finish_with_abort(str(err))
-    req.entropic = rt.new_request_state(*controllers)
+    req.entropic = rt.new_request_state(*controllers, prompt_ids=req.origin_input_ids)
     return req

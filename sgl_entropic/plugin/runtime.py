@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.sampling import ControllerState, MirostatState
-from sgl_entropic.scheduling import GainEstimator, Scales
+from sgl_entropic.scheduling import GainEstimator, GainMemory, Scales, initial_gain
 from sgl_entropic.signal import EntropyTrace
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class RequestState:
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
     last_surprisal: float = float("nan")  # of the last sampled token (nats), for the pruning loop
+    prefix_key: tuple = ()  # its first prompt tokens: where its E[dH] is remembered (GainMemory)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Runtime:
     metrics: Optional["EntropicMetrics"] = None
     controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
+    pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
+    crossover: list = field(default_factory=list)  # its start-up timings (sgl_entropic.crossover.Timing)
     # The scheduler's clock: forward batches and admissions so far.
     steps: int = 0
     arrivals: int = 0
@@ -60,18 +63,23 @@ class Runtime:
     forward_batch: Any = None
     defer_prepare: bool = False
     split: Any = None
+    gains: GainMemory = field(default_factory=GainMemory)  # E[dH] per prompt prefix, for admission
     # Every RequestState alive, to prove that finished requests free theirs.
     live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
 
-    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
+    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState],
+                          prompt_ids: Sequence[int] = ()) -> RequestState:
         self.arrivals += 1
+        key = self.gains.key(prompt_ids)
+        target = controller.target if controller is not None else None
         state = RequestState(
             trace=EntropyTrace(keep_lists=False),
-            gain=GainEstimator(self.config.scheduling),
+            gain=GainEstimator(self.config.scheduling, initial=initial_gain(self.gains.get(key), target)),
             arrival_seq=self.arrivals,
             arrival_step=self.steps,
             controller=controller,
             mirostat=mirostat,
+            prefix_key=key,
         )
         self.live_states.add(state)
         return state

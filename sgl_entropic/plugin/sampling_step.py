@@ -146,6 +146,7 @@ class SamplingStep:
         entropy, surprisal, valid, used_t = host[:4]
 
         attended = self.rows.attended
+        remember = rt.config.scheduling_on  # the gains admission will read for the same prompt prefix
         step_tau = step_flops = 0.0
         measured = []
         for i, state in enumerate(self.rows.states):
@@ -166,6 +167,8 @@ class SamplingStep:
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
                 state.gain.observe(entropy[i])
+                if remember:
+                    rt.gains.put(state.prefix_key, state.gain.expected_gain)
                 state.last_surprisal = surprisal[i]
                 measured.append(entropy[i])
             else:
