@@ -267,6 +267,7 @@ def answered(text: str) -> Optional[int]:
 
 def configs(args) -> dict[str, PruningConfig]:
     base = json.loads(args.entropic_config).get("pruning", {}) if args.entropic_config else {}
+    base.setdefault("min_context", 1024)  # quality wherever it prunes, whatever this machine's crossover
     default = PruningConfig(**base)
     out = {"quest (default)": default,
            "quest_gated": default.model_copy(update={"selector": "quest_gated"}),

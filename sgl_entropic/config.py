@@ -104,7 +104,9 @@ class PruningConfig(_Section):
     min_keep_ratio: float = Field(0.4, gt=0.0, le=1.0, description="share of candidate pages kept at H = 0")
     max_keep_ratio: float = Field(0.6, gt=0.0, le=1.0, description="share kept at H >= reference_entropy")
     entropy_floor: float = Field(0.0, ge=0.0, le=20.0, description="below this H (nats) the budget stops shrinking")
-    min_context: int = Field(1024, ge=0, le=10_000_000, description="shorter contexts attend everything")
+    min_context: Optional[int] = Field(
+        None, ge=0, le=10_000_000,
+        description="shorter contexts attend everything; None: from where pruning pays, measured at start-up")
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
     aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
     gate_surprisal: float = Field(1.0, ge=0.0, le=100.0, description="quest_gated: re-select after a token this surprising (nats)")

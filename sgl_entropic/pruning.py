@@ -40,8 +40,8 @@ entropy (nats), H_ref > 0 a reference entropy and the config's `min_keep_ratio` 
 
 A confident model (low H) attends less, an uncertain one more; a NaN entropy (unknown) keeps
 r_max; below H_floor rho stays at rho(H_floor), so an overconfident model cannot collapse the
-budget. H_ref defaults to ln(V) / 2 of the served model. Below `min_context` tokens nothing is
-pruned. The counts are fixed per step and the same on every layer, so one FlashInfer plan
+budget. H_ref defaults to ln(V) / 2 of the served model. Rows shorter than `min_context` tokens
+are not pruned (None: the crossover measured by the server, `sgl_entropic.crossover`). The counts are fixed per step and the same on every layer, so one FlashInfer plan
 serves all layers and only the page list changes per layer.
 
 Layout of a step (`PageLayout`)
@@ -146,7 +146,7 @@ def row_pages(length: int, entropy: float, cfg: PruningConfig,
     recent = min(cfg.recent_blocks, n)
     sink = min(cfg.sink_blocks, n - recent)
     m = n - sink - recent
-    keep = m if length < cfg.min_context else min(m, math.ceil(keep_ratio(entropy, cfg, reference_entropy) * m))
+    keep = m if length < (cfg.min_context or 0) else min(m, math.ceil(keep_ratio(entropy, cfg, reference_entropy) * m))
     return RowPages(length, cfg.page_size, n, sink, recent, keep)
 
 

@@ -264,3 +264,19 @@ def test_a_pruned_step_does_not_read_the_device(selector):
             for layer in range(LAYERS):
                 backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
     assert backend.step is not None and mode.reads == [], mode.reads
+
+
+def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
+    """Below the crossover a decode step folds no keys (no per-layer work); the first step that
+    prunes folds every deferred slot first, so its bounds cover every key written."""
+    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300])
+    store, pool, pages = backend.planner.store, runner.token_to_kv_pool, batch.out_cache_loc // P
+    for layer in range(LAYERS):
+        pool.k[layer][batch.out_cache_loc] = 50.0  # the decode token's key, above every prompt key
+    backend.init_forward_metadata(batch)
+    for layer in range(LAYERS):
+        backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
+    assert backend.step is None and (store.kmax[:, pages] < 50.0).all()
+    backend.planner.cfg = CFG  # from here on the batch prunes
+    backend.init_forward_metadata(batch)
+    assert backend.step is not None and (store.kmax[:, pages] == 50.0).all()

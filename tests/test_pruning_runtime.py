@@ -57,11 +57,13 @@ def test_passkey_retrieval_survives_pruning(passkey_results):
     assert all(p for p, d in zip(pruned_ok, dense_ok) if d), [p["text"] for p in pruned]
 
 
-def test_every_step_attends_the_pages_its_entropy_budget_keeps(passkey_results):
+def test_every_step_attends_the_pages_its_entropy_budget_keeps(server, passkey_results):
     """Decode step t (context = prompt + t tokens) keeps the pages row_pages gives for the entropy of
     token t - 1 (the request's latest H when the step was planned): the budget comes from entropy."""
     _, pruned, _ = passkey_results
-    cfg, h_ref = PruningConfig(), reference_entropy_for_vocab(49152)  # the server's defaults, SmolLM2's vocabulary
+    measured = server.get("/server_info").json()["entropic"]["pruning"]["min_context"]
+    # the server's defaults with its measured crossover, SmolLM2's vocabulary
+    cfg, h_ref = PruningConfig(min_context=measured), reference_entropy_for_vocab(49152)
     for out in pruned:
         meta = out["meta_info"]
         prompt, attended, entropy = meta["prompt_tokens"], meta["attended"], meta["entropy"]
@@ -70,6 +72,20 @@ def test_every_step_attends_the_pages_its_entropy_budget_keeps(passkey_results):
             rows = row_pages(prompt + t, entropy[t - 1], cfg, h_ref)
             assert attended[t] == pytest.approx(rows.kept_tokens / (prompt + t), rel=1e-9), (t, entropy[t - 1])
         assert max(attended[1:]) < 0.7  # it really prunes: about half the context or less
+
+
+def test_pruning_starts_where_it_was_measured_to_pay(server):
+    """Without pruning.min_context the server times its dense and sparse decode attention at
+    start-up; rows prune from the shortest timed context past which sparse wins by 10 % everywhere."""
+    info = server.get("/server_info").json()["entropic"]["pruning"]
+    timings, start = info["crossover_ms"], info["min_context"]
+    assert [t["context"] for t in timings] == sorted(t["context"] for t in timings) and len(timings) >= 5
+    paying = [t["sparse"] <= 0.9 * t["dense"] for t in timings]
+    if not any(paying[-1:]):  # never pays here: nothing is pruned
+        assert start > timings[-1]["context"]
+        return
+    first = len(paying) - paying[::-1].index(False) if False in paying else 0
+    assert start == timings[first]["context"], timings
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ windows = []
 for path in q.code_files()[:2]:
     ids = rt.tokenizer(path.read_text()).input_ids
     windows.append(q.Window(path.stem, ids[len(ids) // 2 - 2000 : len(ids) // 2 + 2000]))
-cfgs = {"quest": PruningConfig(), "surprisal": PruningConfig(selector="surprisal")}
+cfgs = {"quest": PruningConfig(min_context=1024), "surprisal": PruningConfig(selector="surprisal", min_context=1024)}
 result = q.run_suite(rt, cfgs, windows, 16, lambda msg: None)
 print("RESULT " + json.dumps(result))
 """

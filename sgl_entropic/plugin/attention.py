@@ -17,6 +17,7 @@ a query group, which is not an upper bound. Here the metadata is written once, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
+from sgl_entropic.crossover import CONTEXTS, Timing, crossover, measure
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.pruning import (
@@ -38,6 +40,12 @@ from sgl_entropic.pruning import (
 )
 
 logger = logging.getLogger("sgl_entropic")
+
+# The CUDA backend does not measure its crossover yet: with min_context unset, rows shorter than
+# this attend densely there.
+CUDA_MIN_CONTEXT = 1024
+# Dense decode steps defer at most this many KV slots before folding them (one fold per layer).
+_MAX_DEFERRED_SLOTS = 4096
 
 
 @dataclass
@@ -62,23 +70,52 @@ class PagePlanner:
         layers = config.num_hidden_layers
         self.sparse_share = max(0, layers - cfg.dense_layers) / layers  # the first dense_layers read everything
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        k0 = model_runner.token_to_kv_pool.get_key_buffer(0)
+        self.kv_pool = model_runner.token_to_kv_pool
+        k0 = self.kv_pool.get_key_buffer(0)
         self.store = PageStore(layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
                                self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
         # quest_gated: the rows (arrival seqs) and keep counts of the last selection, its age, and per layer its pages
         self._gate: tuple[tuple, tuple, int] = ((), (), 0)
         self._chosen: dict[int, torch.Tensor] = {}
+        # KV slots written by dense decode steps whose keys are not folded into the page bounds yet
+        self._deferred: list[torch.Tensor] = []
+        self._deferred_slots = 0
+        self._fold_decode = False
 
     def plan(self, forward_batch, batch_rows) -> Optional[DecodeStep]:
         """None when this decode step attends densely (nothing to prune, or a batch shape we do not prune).
 
         batch_rows: the step's `BatchRows` (the requests' host state: latest entropy and surprisal).
+        A dense step folds no keys: its slots wait (`_deferred`) until a step prunes, an extend
+        comes, or they pile up, so contexts below the crossover pay nothing per layer.
         """
+        step = self._plan(forward_batch, batch_rows)
+        self._fold_decode = step is not None
+        if step is not None:
+            self.fold_deferred()
+        else:
+            locs = forward_batch.out_cache_loc
+            self._deferred.append(locs)
+            self._deferred_slots += locs.numel()
+            if self._deferred_slots >= _MAX_DEFERRED_SLOTS:
+                self.fold_deferred()
+        return step
+
+    def fold_deferred(self) -> None:
+        """Fold the deferred decode slots' keys, every layer; before any newer write, to keep write order."""
+        if not self._deferred:
+            return
+        locs = torch.cat(self._deferred)
+        self._deferred, self._deferred_slots = [], 0
+        for layer_id in range(self.store.kmin.shape[0]):
+            self.store.write_keys(layer_id, locs, self.kv_pool.get_key_buffer(layer_id)[locs])
+
+    def _plan(self, forward_batch, batch_rows) -> Optional[DecodeStep]:
         self.store.write_decode_inputs(forward_batch.out_cache_loc, forward_batch.req_pool_indices)
         lengths = forward_batch.seq_lens_cpu.tolist()  # a host tensor: no device sync
         if forward_batch.encoder_lens is not None or forward_batch.spec_info is not None or not lengths:
             return None
-        if max(lengths) < self.cfg.min_context:
+        if max(lengths) < (self.cfg.min_context or 0):
             return None
         states = _row_states(batch_rows, len(lengths))
         entropies = [math.nan if s is None or s.trace.last_entropy is None else s.trace.last_entropy for s in states]
@@ -134,9 +171,11 @@ class PagePlanner:
                 and (window is None or window < 0))
 
     def write_keys(self, layer, forward_batch, k_cache: torch.Tensor) -> None:
-        if not layer.is_cross_attention:
-            locs = forward_batch.out_cache_loc
-            self.store.write_keys(layer.layer_id, locs, k_cache[locs])
+        """After a layer wrote its KV: fold the keys into the page bounds (a dense decode step defers)."""
+        if layer.is_cross_attention or (forward_batch.forward_mode.is_decode() and not self._fold_decode):
+            return
+        locs = forward_batch.out_cache_loc
+        self.store.write_keys(layer.layer_id, locs, k_cache[locs])
 
 
 def _row_states(rows, batch: int) -> list:
@@ -151,13 +190,61 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner)
+        self.timings: list[Timing] = []
+        if cfg.min_context is None:  # measure where pruning pays on this machine and model
+            config = model_runner.model_config
+            cap = min(config.context_len, model_runner.token_to_kv_pool.size)
+            self.timings = measure(functools.partial(self._timed_step, model_runner, cfg),
+                                   [n for n in CONTEXTS if n <= cap])
+            found = crossover(self.timings)
+            cfg = cfg.model_copy(update={"min_context": found if found is not None else config.context_len + 1})
+            logger.info("sgl-entropic: pruning pays from %s tokens (dense/sparse ms per step: %s)",
+                        found if found is not None else "no measured context",
+                        ", ".join(f"{t.context}: {t.dense_s * 1e3:.2f}/{t.sparse_s * 1e3:.2f}" for t in self.timings))
         self.planner = PagePlanner(model_runner, cfg)
         self.step: Optional[DecodeStep] = None
         self._layer = None
 
+    def _timed_step(self, model_runner, cfg: PruningConfig, n: int, sparse: bool):
+        """One decode step's attention over every layer, for one row of n tokens of synthetic KV:
+        SGLang's own dense loop, or the pruned path (plan, page bounds, selection at the
+        largest budget, kept-page attention, the key fold a pruned step does)."""
+        config, p = model_runner.model_config, cfg.page_size
+        k0 = model_runner.token_to_kv_pool.get_key_buffer(0)
+        heads_kv, dim, dtype = k0.shape[1], k0.shape[2], k0.dtype
+        heads_q, layers = config.num_attention_heads // model_runner.server_args.tp_size, config.num_hidden_layers
+        pages = -(-n // p)
+        k, v = (torch.randn(pages * p, heads_kv, dim).to(dtype) for _ in range(2))
+        q, scale = torch.randn(1, heads_q, dim).to(dtype), dim ** -0.5
+        out = torch.empty_like(q)
+        req_to_token = torch.arange(pages * p, dtype=torch.int32)[None]
+        one, seq_lens = torch.zeros(1, dtype=torch.long), torch.tensor([n])
+        if not sparse:
+            def dense():
+                for _ in range(layers):
+                    TorchNativeAttnBackend._run_sdpa_forward_decode(
+                        self, q, out, k, v, req_to_token, one, seq_lens, scaling=scale, enable_gqa=heads_q != heads_kv)
+            return dense
+        store = PageStore(1, pages * p, p, heads_kv, dim, dtype, k.device, 1, with_surprisal=False)
+        store.write_keys(0, torch.arange(n), k[:n])
+        loc = torch.tensor([n - 1])
+
+        def pruned():
+            page_table = req_to_token[one, : pages * p : p].long() // p
+            row = row_pages(n, math.nan, cfg)  # an unknown entropy keeps the most pages
+            layout = PageLayout.build([row], page_table)
+            for _ in range(layers):
+                scores = quest_scores(q, store.kmin[0][page_table], store.kmax[0][page_table])
+                logical, _ = layout.select(scores)
+                out.copy_(paged_decode_attention(q, k, v, layout.kept_pages(logical), [row.kept_tokens], p, scale))
+                store.write_keys(0, loc, k[loc])
+        return pruned
+
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         decode = forward_batch.forward_mode.is_decode()
+        if not decode:
+            self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
         self.step = self.planner.plan(forward_batch, runtime.current_rows()) if decode else None
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -196,6 +283,7 @@ def create_backend(model_runner):
     else:
         backend = EntropicTorchNativeAttnBackend(model_runner, cfg)
     rt.pages = backend.planner.store  # the prompt-scoring hook (surprisal selector) writes into it
+    rt.pruning_from, rt.crossover = backend.planner.cfg.min_context, backend.timings
     return backend
 
 

@@ -18,7 +18,7 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.kernels import triton_available
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.attention import DecodeStep, PagePlanner
+from sgl_entropic.plugin.attention import CUDA_MIN_CONTEXT, DecodeStep, PagePlanner
 
 
 @dataclasses.dataclass
@@ -35,7 +35,10 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
 
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
+        if cfg.min_context is None:
+            cfg = cfg.model_copy(update={"min_context": CUDA_MIN_CONTEXT})
         self.planner = PagePlanner(model_runner, cfg)
+        self.timings = []
         self.sparse_wrapper = BatchDecodeWithPagedKVCacheWrapper(
             self.workspace_buffer, "NHD", backend=self.decode_backend, use_tensor_cores=self.decode_use_tensor_cores
         )
@@ -47,8 +50,11 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self.sparse = None
-        if not forward_batch.forward_mode.is_decode() or len(self.decode_wrappers) != 1:
-            return  # prefill, and cross-attention / SWA layouts (own wrappers): dense
+        if not forward_batch.forward_mode.is_decode():
+            self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
+            return
+        if len(self.decode_wrappers) != 1:
+            return  # cross-attention / SWA layouts (own wrappers): dense
         step = self.planner.plan(forward_batch, runtime.current_rows())
         if step is None:
             return
@@ -79,6 +85,11 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         if sparse:
             self._write_layer_slots(layer, q)
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
+        return out
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out
 

@@ -26,6 +26,12 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
         "hooks_applied": not missing,
         "hooks_missing": missing,
     }
+    if rt.config.pruning_on:
+        result[ENTROPIC_KEY]["pruning"] = {
+            "min_context": rt.pruning_from,  # rows shorter than this attend densely
+            "crossover_ms": [{"context": t.context, "dense": t.dense_s * 1e3, "sparse": t.sparse_s * 1e3}
+                             for t in rt.crossover],
+        }
     return result
 
 

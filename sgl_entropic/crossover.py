@@ -1,0 +1,60 @@
+"""Where pruning starts to pay: the context length from which a sparse decode step beats a dense one.
+
+Selecting pages costs work a dense step does not do (the page bounds, a top-k, a gather), so
+below some context length a pruned step is slower than attending everything. That length
+depends on the machine, the model's attention shape and the attention code, so the server
+measures it at start-up (the CPU attention backend times its own dense and sparse paths on
+synthetic KV of the served model's shape) instead of trusting a fixed token count; an
+explicit `pruning.min_context` overrides it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+# The grid of context lengths timed at start-up (tokens; capped at the model's and the pool's).
+# Past its end the sparse step's advantage only grows (dense reads every token, sparse a share),
+# so the grid stops where the crossover of any model measured here has long been passed.
+CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096)
+# A sparse step must be this much faster to count as paying: timing noise must not flip it.
+MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Timing:
+    context: int
+    dense_s: float  # one decode step's attention over every layer, attending everything
+    sparse_s: float  # the same step planned, selected and attended over the kept pages
+
+
+def crossover(timings: Sequence[Timing], margin: float = MARGIN) -> Optional[int]:
+    """The shortest timed context from which on sparse beats dense by `margin` at every longer
+    timed context; None when it never does (then nothing is pruned)."""
+    found = None
+    for t in sorted(timings, key=lambda t: t.context, reverse=True):
+        if t.sparse_s > (1.0 - margin) * t.dense_s:
+            break
+        found = t.context
+    return found
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls after one untimed warm-up call (seconds)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 2) -> list[Timing]:
+    """Time the step `step(context, sparse)` builds, dense and sparse, at each context."""
+    out = []
+    for n in contexts:
+        dense, sparse = step(n, False), step(n, True)
+        out.append(Timing(n, best_time(dense, repeats), best_time(sparse, repeats)))
+    return out
