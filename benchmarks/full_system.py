@@ -1,0 +1,143 @@
+"""Every entropic mode against stock SGLang, with load from SGLang's own client.
+
+Each round starts one server per configuration (stock `sglang.launch_server`, then ours with
+`--entropic <mode>`), in an order rotated per round, and drives each workload with
+`python -m sglang.benchmark.serving` (its warm-up request first, `--flush-cache` before each
+workload). Results per workload and configuration: output tok/s, p50/p99 end-to-end latency,
+p50 TTFT, p50 inter-token latency; medians over rounds with min-max, and each round's ratio to
+the stock server of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import common
+
+# The bench client's own workloads (random token ids: exact lengths, no download).
+WORKLOADS = {
+    "short": ["--dataset-name", "random-ids", "--tokenize-prompt", "--random-input-len", "256",
+              "--random-output-len", "128", "--random-range-ratio", "1.0", "--max-concurrency", "8"],
+    "long": ["--dataset-name", "random-ids", "--tokenize-prompt", "--random-input-len", "4096",
+             "--random-output-len", "128", "--random-range-ratio", "1.0", "--max-concurrency", "4"],
+    "shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-system-prompt-len", "2048",
+                      "--gsp-question-len", "128", "--gsp-output-len", "128", "--gsp-range-ratio", "1.0",
+                      "--max-concurrency", "4"],
+}
+METRICS = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_ttft_ms", "median_itl_ms")
+CONFIGS = ("stock", "sampling", "scheduling", "pruning", "full")
+
+
+def bench(url: str, model: str, workload: str, num_prompts: int, groups: int, seed: int) -> dict:
+    """One run of SGLang's bench client; its JSON line."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.jsonl"
+        cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
+               "--model", model, "--tokenizer", model, "--num-prompts", str(num_prompts), "--seed", str(seed),
+               "--warmup-requests", "1", "--flush-cache", "--disable-tqdm", "--output-file", str(out),
+               *WORKLOADS[workload]]
+        if workload == "shared-prefix":
+            cmd += ["--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(max(1, num_prompts // groups))]
+        run = subprocess.run(cmd, cwd=common.ROOT, env=common.server_env("cpu", stock=True),
+                             capture_output=True, text=True, timeout=7200)
+        if run.returncode != 0 or not out.exists():
+            raise RuntimeError(f"bench client failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        result = json.loads(out.read_text().splitlines()[-1])
+    if result["completed"] < num_prompts:
+        raise RuntimeError(f"{workload}: only {result['completed']} of {num_prompts} requests completed")
+    return {k: result[k] for k in (*METRICS, "completed", "total_output_tokens", "duration")}
+
+
+def summarize(runs: list[dict], configs: list[str], workloads: list[str]) -> tuple[dict, str]:
+    """Median and min-max per metric over rounds, and the per-round ratio to stock of that round."""
+    summary: dict = {}
+    text = []
+    for w in workloads:
+        rows = []
+        summary[w] = {}
+        for c in configs:
+            mine = [r for r in runs if r["workload"] == w and r["config"] == c]
+            if not mine:
+                continue
+            entry = {}
+            for m in METRICS:
+                vals = [r[m] for r in mine]
+                ratios = [r[m] / s[m] for r in mine for s in runs
+                          if s["workload"] == w and s["config"] == "stock" and s["round"] == r["round"] and s[m]]
+                entry[m] = {"median": common.median(vals), "min": min(vals), "max": max(vals)}
+                if ratios:
+                    entry[m]["vs_stock"] = {"median": common.median(ratios), "min": min(ratios), "max": max(ratios)}
+            summary[w][c] = entry
+            rows.append([c, len(mine)] + [_cell(entry[m]) for m in METRICS])
+        text.append(f"### {w}\n\n" + common.markdown_table(
+            ["config", "rounds", "out tok/s", "p50 E2E ms", "p99 E2E ms", "p50 TTFT ms", "p50 ITL ms"], rows))
+    return summary, "\n\n".join(text)
+
+
+def _cell(e: dict) -> str:
+    f = (lambda v: f"{v:.0f}") if e["max"] >= 100 else (lambda v: f"{v:.1f}")
+    s = f"{f(e['median'])} ({f(e['min'])}-{f(e['max'])})"
+    r = e.get("vs_stock")
+    if r and (r["min"], r["max"]) != (1.0, 1.0):  # stock against itself is 1
+        s += f"; x{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workloads", default="short,long,shared-prefix")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="stock is always run")
+    ap.add_argument("--long-configs", default="stock,full",
+                    help="configurations that run the long and shared-prefix workloads (slow on a CPU)")
+    ap.add_argument("--prompts", default="short:32,long:8,shared-prefix:16")
+    ap.add_argument("--groups", type=int, default=4, help="shared-prefix: system prompts")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--entropic-config", default=None, help="JSON for every entropic server")
+    ap.add_argument("--quick", action="store_true", help="1 round, few prompts, short workload only")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.workloads, args.prompts = 1, "short", "short:8"
+    workloads = args.workloads.split(",")
+    configs = ["stock"] + [c for c in args.configs.split(",") if c != "stock"]
+    long_configs = set(args.long_configs.split(",")) | {"stock"}
+    prompts = {k: int(v) for k, v in (p.split(":") for p in args.prompts.split(","))}
+    extra = json.loads(args.entropic_config) if args.entropic_config else None
+
+    device = common.default_device()
+    model = common.bundled_model()
+    common_args = common.sglang_common_args(model, device, args.dtype)
+    runs, infos = [], {}
+    for rnd in range(args.rounds):
+        order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+        for config in order:
+            port = common.free_port()
+            cmd = (common.stock_command(port, common_args) if config == "stock"
+                   else common.ours_command(port, common_args, config, extra))
+            with common.start_server(config, cmd, port, common.server_env(device, stock=config == "stock")) as srv:
+                info = srv.info()
+                if (config == "stock") != ("entropic" not in info):
+                    raise RuntimeError(f"{config}: /server_info does not match the configuration")
+                for w in workloads:
+                    if w != "short" and config not in long_configs:
+                        continue
+                    r = bench(srv.url, model, w, prompts[w], args.groups, seed=1000 + rnd)
+                    runs.append({"round": rnd, "config": config, "workload": w, **r})
+                    common.log_line(f"round {rnd} {config} {w}: {r['output_throughput']:.1f} tok/s, "
+                                    f"p50 E2E {r['median_e2e_latency_ms']:.0f} ms")
+                infos[f"{config}/{rnd}"] = srv.info().get("entropic")
+    summary, table = summarize(runs, configs, workloads)
+    print(table)
+    path = common.write_json("full_system", {
+        "args": vars(args), "environment": common.environment(), "runs": runs, "summary": summary,
+        "entropic_server_info": infos})
+    common.log_line(f"wrote {path.relative_to(common.ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
