@@ -41,9 +41,9 @@ from sgl_entropic.pruning import (
 
 logger = logging.getLogger("sgl_entropic")
 
-# The CUDA backend does not measure its crossover yet: with min_context unset, rows shorter than
-# this attend densely there.
-CUDA_MIN_CONTEXT = 1024
+# Where the crossover is not measured (the CUDA backend, tensor parallelism) and min_context is
+# unset, rows shorter than this attend densely.
+UNMEASURED_MIN_CONTEXT = 1024
 # Dense decode steps defer at most this many KV slots before folding them (one fold per layer).
 _MAX_DEFERRED_SLOTS = 4096
 
@@ -191,6 +191,9 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner)
         self.timings: list[Timing] = []
+        if cfg.min_context is None and model_runner.server_args.tp_size > 1:
+            # each rank would time its own crossover; their decisions must be identical
+            cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
         if cfg.min_context is None:  # measure where pruning pays on this machine and model
             config = model_runner.model_config
             cap = min(config.context_len, model_runner.token_to_kv_pool.size)
