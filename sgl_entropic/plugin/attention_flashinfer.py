@@ -18,7 +18,7 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.kernels import triton_available
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.attention import CUDA_MIN_CONTEXT, DecodeStep, PagePlanner
+from sgl_entropic.plugin.attention import UNMEASURED_MIN_CONTEXT, DecodeStep, PagePlanner
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
         if cfg.min_context is None:
-            cfg = cfg.model_copy(update={"min_context": CUDA_MIN_CONTEXT})
+            cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
         self.planner = PagePlanner(model_runner, cfg)
         self.timings = []
         self.sparse_wrapper = BatchDecodeWithPagedKVCacheWrapper(
