@@ -2,12 +2,14 @@
 
 import json
 import math
+import re
 
 import pytest
 import requests
 import torch
 
 from sgl_entropic.signal import entropy_exact
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.server
 
@@ -126,3 +128,20 @@ def test_prometheus_series(server):
     count = [l for l in text.splitlines() if l.startswith("sglang:entropic_step_entropy_nats_count")]
     assert count and float(count[0].split()[-1]) >= 4
     assert not math.isnan(float([l for l in text.splitlines() if l.startswith("sglang:entropic_cost_gflop_total")][0].split()[-1]))
+
+
+def test_every_dashboard_query_names_a_series_the_server_exports(server):
+    """monitoring/grafana/sgl-entropic.json: each panel's PromQL reads only series this server's
+    /metrics has (after an entropic-sampling request, so that every loop has written)."""
+    dashboard = json.loads((ROOT / "monitoring" / "grafana" / "sgl-entropic.json").read_text())
+    server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.8,
+                                                         "custom_params": {"entropic": {"target_entropy": 1.5}}}})
+    exported = {line.split("{")[0].split()[0] for line in server.get("/metrics").text.splitlines()
+                if line.startswith("sglang:entropic_")}
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"] for v in dashboard["templating"]["list"]]
+    assert len(dashboard["panels"]) >= 6 and all(p["targets"] for p in dashboard["panels"])
+    named = {name for q in queries for name in re.findall(r"sglang:[a-z_]+", q)}
+    assert named and named <= exported, sorted(named - exported)
+    for base in ("entropic_step_entropy_nats", "entropic_attended_fraction", "entropic_temperature"):
+        assert f"sglang:{base}_bucket" in named  # the issue's distributions are histograms

@@ -2,6 +2,7 @@
 
 Rates come from the counters: tau rate = rate(sglang:entropic_time_nats_total[1m]);
 d tau/dC = rate(sglang:entropic_time_nats_total[1m]) / rate(sglang:entropic_cost_gflop_total[1m]).
+`monitoring/grafana/sgl-entropic.json` is a Grafana dashboard over all of them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,28 @@ class EntropicMetrics:
             multiprocess_mode="mostrecent",
         )
 
-    def observe(self, entropies: list[float], step_tau: float, step_flops: float) -> None:
+        self.attended = Histogram(
+            "sglang:entropic_attended_fraction",
+            "Share of its context each decode token attended (1 where the step was dense).",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0),
+        )
+        self.temperature = Histogram(
+            "sglang:entropic_temperature",
+            "Temperature the entropic controller sampled each token of its requests at.",
+            buckets=(0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0),
+        )
+        self.parked = Counter("sglang:entropic_parked_steps", "Decode steps running requests waited (decode budget).")
+
+    def observe(self, entropies: list[float], step_tau: float, step_flops: float, attended: list[float] = (),
+                temperatures: list[float] = (), parked: int = 0) -> None:
         for h in entropies:
             self.entropy.observe(h)
+        for a in attended:
+            self.attended.observe(a)
+        for t in temperatures:
+            self.temperature.observe(t)
+        if parked:
+            self.parked.inc(parked)
         self.tau.inc(step_tau)
         self.cost.inc(step_flops / 1e9)
         if step_flops > 0:

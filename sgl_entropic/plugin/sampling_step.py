@@ -148,13 +148,14 @@ class SamplingStep:
         attended = self.rows.attended
         remember = rt.config.scheduling_on  # the gains admission will read for the same prompt prefix
         step_tau = step_flops = 0.0
-        measured = []
+        measured, fractions, temperatures, parked = [], [], [], 0
         for i, state in enumerate(self.rows.states):
             if state is None:
                 continue
             if state.controller is not None:
                 state.controller.temperature = used_t[i]
                 state.controller.steps_done += 1
+                temperatures.append(used_t[i])
             if state.mirostat is not None:
                 state.mirostat.mu = host[4][i]
             if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
@@ -162,6 +163,9 @@ class SamplingStep:
             trace = state.trace
             ok = valid[i] > 0
             fraction = attended[i] if attended is not None else 1.0
+            if self.rows.decode:
+                fractions.append(fraction)
+                parked += state.parked_before_token
             if ok:
                 cost = step_cost(rt.dims, seq_lens[i] * fraction)
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
@@ -185,7 +189,7 @@ class SamplingStep:
                 _entropic_efficiency=trace.efficiency,
             )
         if rt.metrics is not None:
-            rt.metrics.observe(measured, step_tau, step_flops)
+            rt.metrics.observe(measured, step_tau, step_flops, fractions, temperatures, parked)
         return stats
 
 
