@@ -29,7 +29,8 @@ ALLOW_UNSUPPORTED_ENV = "SGLANG_ENTROPIC_ALLOW_UNSUPPORTED_SGLANG"
 
 
 def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
-    from sgl_entropic.plugin import admission, meta_info, sampling_step, scheduling_hooks, server_info, validation
+    from sgl_entropic.plugin import (admission, meta_info, openai_ext, sampling_step, scheduling_hooks, server_info,
+                                     validation)
 
     S, budget = "sglang.srt.", config.scheduling_on and config.scheduling.decode_budget is not None
     table = [
@@ -41,6 +42,15 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         Hook(S + "entrypoints.engine.Engine.generate", "around", meta_info.around_engine_generate, "main"),
         Hook(S + "managers.tokenizer_manager.TokenizerManager.generate_request", "before",
              meta_info.before_generate_request, "main"),
+        # the OpenAI endpoints: sglext.entropic when asked (openai_ext.py)
+        *(Hook(S + f"entrypoints.openai.{module}.{cls}.{fn}", kind, handler, "main")
+          for module, cls, build, stream in (
+              ("serving_chat", "OpenAIServingChat", "_build_chat_response", "_generate_chat_stream"),
+              ("serving_completions", "OpenAIServingCompletion", "_build_completion_response",
+               "_generate_completion_stream"))
+          for fn, kind, handler in (("_convert_to_internal_request", "after", openai_ext.after_convert_request),
+                                    (build, "after", openai_ext.after_build_response),
+                                    (stream, "around", openai_ext.around_stream))),
         # --- scheduler process
         Hook(S + "managers.scheduler.Scheduler.get_init_info", "after", server_info.after_get_init_info, "scheduler"),
         Hook(S + "managers.scheduler.Scheduler.get_internal_state", "after", server_info.after_get_internal_state,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextvars
 
+from sgl_entropic.plugin import openai_ext
+
 TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
 
 _engine_return_entropy = contextvars.ContextVar("sgl_entropic_return_entropy", default=False)
@@ -22,10 +24,12 @@ def after_update_request_meta_info(result, manager, meta_info, state, *args, **k
     if not getattr(state.obj, "return_entropy", False):
         for key in TRACE_KEYS:
             meta_info.pop(key, None)
-    elif "input_token_logprobs" in meta_info:
+        return
+    if "input_token_logprobs" in meta_info:
         # Prompt surprisal on request (return_logprob + logprob_start_len=0): SGLang's own input
         # logprobs, at T = 1; the first prompt token has no prediction (null).
         meta_info["prompt_surprisal"] = [None if lp is None else -lp for lp, *_ in meta_info["input_token_logprobs"]]
+    openai_ext.record_stream_meta(meta_info)  # an OpenAI stream reads its traces from here
 
 
 def around_engine_generate(original, engine, *args, return_entropy: bool = False, **kwargs):

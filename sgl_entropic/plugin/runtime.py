@@ -64,6 +64,8 @@ class Runtime:
     defer_prepare: bool = False
     split: Any = None
     gains: GainMemory = field(default_factory=GainMemory)  # E[dH] per prompt prefix, for admission
+    # HTTP process: OpenAI streams waiting for their traces, by request id (openai_ext.py)
+    openai_streams: dict = field(default_factory=dict)
     # Every RequestState alive, to prove that finished requests free theirs.
     live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
 
