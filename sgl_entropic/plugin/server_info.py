@@ -46,6 +46,8 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         gc.collect()
         leaked = sum(1 for state in list(rt.live_states) if id(state) not in held)
     result.internal_state[ENTROPIC_KEY] = {
+        "dp_rank": _dp_rank(),  # with --dp-size N every scheduler reports its own (internal_states[i])
+        "requests_admitted": rt.arrivals,
         "live_request_states": len(rt.live_states),
         "leaked_request_states": leaked,
         # KV held by requests (the radix cache's evictable prefix pages are not "held")
@@ -53,6 +55,13 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
     }
     return result
+
+
+def _dp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    rank = get_parallel().dp_rank
+    return 0 if rank is None else rank
 
 
 def _requests_held_by(scheduler) -> list:
