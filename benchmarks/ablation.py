@@ -7,7 +7,8 @@ Configurations (one server at a time, identical SGLang flags):
   scheduling  `--entropic scheduling`   (macro loop over fcfs)
   pruning     `--entropic pruning`      (meso loop: the `entropic` attention backend)
   full        `--entropic full`
-With --rounds R > 1 the configuration order rotates every round (drift spreads over all).
+With --rounds R > 1 the configuration order rotates every round (drift spreads over all), and the
+table shows each speed metric as the median over rounds (min-max).
 
 Workloads, each config in the same order:
   (a) agent: programs/agent.py's ReAct tasks, --agent-concurrency at a time; success is checked
@@ -301,6 +302,7 @@ def main() -> None:
         for key in numeric:
             values = [x[key] for x in rs if x[key] is not None]
             merged[key] = statistics.median(values) if values else None
+            merged[key + "_range"] = (min(values), max(values)) if values else None
         for key in ("passkey_correct", "passkey_cases", "agent_success", "agent_tasks"):
             merged[key] = sum(x[key] for x in rs)
         merged["rouge_l_vs_stock"] = statistics.fmean(
@@ -312,8 +314,13 @@ def main() -> None:
     def fmt(x, spec=".3g"):
         return "-" if x is None else format(x, spec)
 
+    def spread(name, key):  # median (min-max over rounds)
+        r = results[name][key + "_range"]
+        return fmt(results[name][key]) if r is None or args.rounds == 1 else \
+            f"{fmt(results[name][key])} ({fmt(r[0])}-{fmt(r[1])})"
+
     headers = ["config", *(m[1] for m in METRICS), "d tau/dC", "H var", "ROUGE-L vs stock", "passkey", "agent"]
-    table = [[name, *(fmt(results[name][m[0]]) for m in METRICS), fmt(results[name]["dtau_dC"]),
+    table = [[name, *(spread(name, m[0]) for m in METRICS), fmt(results[name]["dtau_dC"]),
               fmt(results[name]["entropy_variance"]), fmt(results[name]["rouge_l_vs_stock"], ".2f"),
               f"{results[name]['passkey_correct']}/{results[name]['passkey_cases']}",
               f"{results[name]['agent_success']}/{results[name]['agent_tasks']}"] for name in CONFIGS]

