@@ -83,7 +83,10 @@ def server(tmp_path_factory) -> Server:
         yield Server(os.environ["SGLANG_ENTROPIC_TEST_URL"], None, None)
         return
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics", *COMMON_ARGS]
+    # Pruning from 1024 tokens, whatever crossover this (busy, fp32) machine would time: the
+    # runtime tests check pruned decode at 2-6k tokens (tests/test_attention_backend.py times it).
+    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
+           "--entropic-config", '{"pruning": {"min_context": 1024}}', *COMMON_ARGS]
     srv = start_server(cmd, log)
     yield srv
     stop_server(srv.proc)

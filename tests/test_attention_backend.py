@@ -280,3 +280,27 @@ def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
     backend.planner.cfg = CFG  # from here on the batch prunes
     backend.init_forward_metadata(batch)
     assert backend.step is not None and (store.kmax[:, pages] == 50.0).all()
+
+
+def test_without_min_context_the_backend_prunes_from_where_it_timed_sparse_to_pay():
+    """min_context unset: the backend times dense (SGLang's loop) and sparse decode at start-up and
+    prunes from the shortest timed context past which sparse wins by 10 % at every longer one."""
+    gen = torch.Generator().manual_seed(0)
+    pool = _KVPool(gen)
+    pool.size = POOL_PAGES * P
+    runner = SimpleNamespace(
+        device="cpu", page_size=P, server_args=SimpleNamespace(tp_size=1), token_to_kv_pool=pool,
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
+        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q,
+                                     context_len=MAX_CONTEXT),
+    )
+    backend = EntropicTorchNativeAttnBackend(runner, CFG.model_copy(update={"min_context": None}))
+    timings = backend.timings
+    assert [t.context for t in timings] == [256, 512, 1024, 1536, 2048]  # the grid, capped at the context
+    paying = [t.sparse_s <= 0.9 * t.dense_s for t in timings]
+    start = backend.planner.cfg.min_context
+    if not paying[-1]:
+        assert start == MAX_CONTEXT + 1  # never pays: nothing prunes
+    else:
+        first = len(paying) - paying[::-1].index(False) if False in paying else 0
+        assert start == timings[first].context

@@ -74,20 +74,6 @@ def test_every_step_attends_the_pages_its_entropy_budget_keeps(server, passkey_r
         assert max(attended[1:]) < 0.7  # it really prunes: about half the context or less
 
 
-def test_pruning_starts_where_it_was_measured_to_pay(server):
-    """Without pruning.min_context the server times its dense and sparse decode attention at
-    start-up; rows prune from the shortest timed context past which sparse wins by 10 % everywhere."""
-    info = server.get("/server_info").json()["entropic"]["pruning"]
-    timings, start = info["crossover_ms"], info["min_context"]
-    assert [t["context"] for t in timings] == sorted(t["context"] for t in timings) and len(timings) >= 5
-    paying = [t["sparse"] <= 0.9 * t["dense"] for t in timings]
-    if not any(paying[-1:]):  # never pays here: nothing is pruned
-        assert start > timings[-1]["context"]
-        return
-    first = len(paying) - paying[::-1].index(False) if False in paying else 0
-    assert start == timings[first]["context"], timings
-
-
 @pytest.fixture(scope="module")
 def keep_all_server(tmp_path_factory):
     """Pruning on, with min_keep_ratio = max_keep_ratio = 1 and no minimum context: theta = -inf."""
