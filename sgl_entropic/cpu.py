@@ -45,10 +45,41 @@ def sgl_kernel_origin() -> str:
     return "stand-in" if spec.origin and spec.origin.endswith("_sgl_kernel_cpu.py") else "real"
 
 
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def threads_bind(cpus: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` schedulers: the CPUs split into contiguous equal groups."""
+    cpus = sorted(cpus)
+    if ranks > len(cpus):
+        raise ValueError(f"{ranks} ranks (dp_size * tp_size * pp_size) need at least {ranks} CPUs; "
+                         f"this process may use {len(cpus)}")
+    per = len(cpus) // ranks
+    groups = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(_cpu_list(g) for g in groups)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    if len(cpus) == 1:
+        return str(cpus[0])
+    return f"{cpus[0]}-{cpus[-1]}" if cpus[-1] - cpus[0] == len(cpus) - 1 else ",".join(map(str, cpus))
+
+
+def numa_nodes() -> int:
+    return max(1, len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
 def apply_cpu_environment(device: str) -> None:
     """SGLang on CPU needs its CPU engine (else the rotary embedding imports vllm)."""
     if device == "cpu":
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def bind_rank_threads(device: str, ranks: int) -> None:
+    """With more ranks than NUMA nodes SGLang on CPU refuses to start unless told which cores each
+    rank owns (SGLANG_CPU_OMP_THREADS_BIND): unless the user said, split this process's CPUs evenly."""
+    if device == "cpu" and ranks > numa_nodes() and THREADS_BIND_ENV not in os.environ:
+        os.environ[THREADS_BIND_ENV] = threads_bind(list(os.sched_getaffinity(0)), ranks)
 
 
 def main(argv: list[str]) -> int:

@@ -148,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.environ[CONFIG_ENV] = config.to_env()
 
     rest = sglang_argv(rest)
-    from sgl_entropic.cpu import apply_cpu_environment
+    from sgl_entropic.cpu import apply_cpu_environment, bind_rank_threads
 
     apply_cpu_environment(_flag_value(rest, "--device") or "cuda")
 
@@ -162,6 +162,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     hooks.report_missing("main")  # each hook that did not apply is logged as an error, by target
     server_args = prepare_server_args(rest)
+    try:
+        bind_rank_threads(server_args.device, server_args.dp_size * server_args.tp_size * server_args.pp_size)
+    except ValueError as err:
+        parser.error(str(err))
     print(
         f"sgl-entropic: mode={config.mode} (active: {', '.join(config.active_loops)}), "
         f"model={server_args.model_path}, listening on http://{server_args.host}:{server_args.port}",

@@ -52,3 +52,13 @@ def test_assign_req_to_token_pool_matches_reference():
     expected[2, 3:6] = torch.tensor([11, 12, 13], dtype=torch.int32)
     expected[0, 0:2] = torch.tensor([21, 22], dtype=torch.int32)
     assert torch.equal(req_to_token, expected)
+
+
+def test_ranks_get_disjoint_equal_core_groups_in_sglang_s_bind_syntax():
+    from sgl_entropic.cpu import threads_bind
+
+    assert threads_bind([1, 0], 2) == "0|1"
+    assert threads_bind(list(range(8)), 2) == "0-3|4-7"
+    assert threads_bind([0, 2, 4, 6, 7], 2) == "0,2|4,6"  # a gappy affinity set: explicit lists
+    with pytest.raises(ValueError, match="need at least 3 CPUs"):
+        threads_bind([0, 1], 3)
