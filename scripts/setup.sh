@@ -3,15 +3,16 @@
 # (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
 # Optional groups, each installed once on top (its own stamp, so switching flags never reinstalls
 # the base): --gpu on a CUDA machine adds FlashInfer and the real sgl_kernel; --bench what the
-# benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays).
+# benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays); --router
+# SGLang's router (sglang-router), for scripts/router.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 groups=()
 for arg in "$@"; do
   case "$arg" in
-    --gpu|--bench) groups+=("${arg#--}") ;;
-    *) echo "setup: unknown option $arg (use --gpu, --bench)" >&2; exit 2 ;;
+    --gpu|--bench|--router) groups+=("${arg#--}") ;;
+    *) echo "setup: unknown option $arg (use --gpu, --bench, --router)" >&2; exit 2 ;;
   esac
 done
 python=${PYTHON:-python3.11}
