@@ -1,6 +1,6 @@
 """The plugin: the only package that touches SGLang internals.
 
-SGLang's `load_plugins()` calls `register()` in every SGLang process (HTTP server, scheduler,
+SGLang's `load_plugins()` calls `register()` in every SGLang process (HTTP server, scheduler, DP controller,
 detokenizer, sgl.Engine). `hook_table()` below lists every hook, in one screen; with the
 `entropic` attention backend (`attention.py`, registered when pruning is on) it is the whole
 surface between sgl-entropic and SGLang. Without our launcher's config in the environment the
@@ -62,6 +62,9 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         Hook(S + "model_executor.model_runner.ModelRunner.sample", "around", sampling_step.around_model_runner_sample,
              "scheduler"),
         Hook(S + "layers.sampler.Sampler.forward", "around", sampling_step.around_sampler_forward, "scheduler"),
+        # --- with --dp-size N: the DP controller forwards only its own keys of the schedulers' init info
+        Hook(S + "managers.data_parallel_controller.DataParallelController.get_init_info", "after",
+             server_info.after_dp_get_init_info, "dp_controller"),
         # macro loop: prefill order and retraction order (inert unless scheduling is on)
         Hook(S + "managers.schedule_policy.SchedulePolicy.calc_priority", "after", scheduling_hooks.after_calc_priority,
              "scheduler"),

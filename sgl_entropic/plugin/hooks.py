@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Literal
 
 logger = logging.getLogger("sgl_entropic")
 
-Process = Literal["main", "scheduler", "client"]
+Process = Literal["main", "scheduler", "dp_controller", "client"]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,21 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
     return result
 
 
+def after_dp_get_init_info(result, controller, *args, **kwargs):
+    """With --dp-size N: every rank's section merged into the one /server_info shows."""
+    infos = controller._scheduler_init_infos
+    sections = [info[ENTROPIC_KEY] for info in infos if ENTROPIC_KEY in info]
+    if sections:
+        result[ENTROPIC_KEY] = {
+            **sections[0],
+            "plugin_loaded_in_scheduler": len(sections) == len(infos),
+            "hooks_applied": all(s["hooks_applied"] for s in sections),
+            "hooks_missing": sorted({t for s in sections for t in s["hooks_missing"]}),
+            "ranks": len(infos),
+        }
+    return result
+
+
 def after_get_internal_state(result, scheduler, *args, **kwargs):
     rt = runtime.current()
     allocator, tree_cache = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
