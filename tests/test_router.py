@@ -25,7 +25,10 @@ pytest.importorskip("sglang_router", reason="sglang-router is not installed (bas
 pytestmark = pytest.mark.server
 
 WORKERS = 2
-WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", *COMMON_ARGS]
+# A small KV pool each (the launcher's default, 65536 fp32 tokens, is ~3 GB): the suite's shared and
+# stock servers are still up, and four full pools crowd a 24 GB machine.
+WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",
+              *COMMON_ARGS]
 # Completions through the router carry custom_params: bounds that exclude the request's own
 # temperature (0.8), so a trace inside them proves the controller ran.
 T_MIN, T_MAX = 0.3, 0.6
