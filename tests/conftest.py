@@ -45,14 +45,14 @@ class Server:
 COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle"]
 
 
-def start_server(cmd: list[str], log: Path, env: dict | None = None) -> Server:
+def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
     port = _free_port()
     out = open(log, "w")
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
@@ -63,7 +63,7 @@ def start_server(cmd: list[str], log: Path, env: dict | None = None) -> Server:
             pass
         time.sleep(1)
     stop_server(proc)
-    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"server not ready after {timeout_s}s:\n{log.read_text()[-4000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
