@@ -44,10 +44,9 @@ setsid .venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port "
 pids+=($!)
 wait_ready "http://127.0.0.1:$port" "${pids[-1]}" "$logs/router.log"
 # /health answers before the router has registered its workers (in the background)
-for _ in $(seq 1 120); do
-  curl -s "http://127.0.0.1:$port/readiness" | grep -q "\"healthy_workers\":$workers," && break
-  sleep 1
-done
+registered() { curl -s "http://127.0.0.1:$port/readiness" | grep -q "\"healthy_workers\":$workers,"; }
+for _ in $(seq 1 120); do registered && break; sleep 1; done
+registered || { echo "router: not all $workers workers registered after 120 s" >&2; tail -20 "$logs/router.log" >&2; exit 1; }
 echo "router: ready on http://127.0.0.1:$port (policy $policy; logs in $logs)"
 if [ $# -gt 0 ]; then
   SGLANG_ENTROPIC_URL="http://127.0.0.1:$port" "$@"
