@@ -603,7 +603,8 @@ def _load_spec(i: int) -> dict:
         target = 0.5 if json_mode else 1.0 + (i % 7) / 3  # JSON: a target that cools, see above
         params["custom_params"] = {"entropic": {"target_entropy": target, "t_min": T_MIN, "t_max": T_MAX, "t_init": 1.0}}
     elif entropic == "mirostat":
-        params["custom_params"] = {"entropic": {"controller": "mirostat_v2", "tau": 2.0 + i % 3}}
+        tau = 1.0 if json_mode else 2.0 + i % 3  # JSON: a cool target, as for the controller
+        params["custom_params"] = {"entropic": {"controller": "mirostat_v2", "tau": tau}}
     else:
         params["temperature"] = 0.8
     question = f"Question {i}: describe item number {i} in one line."
