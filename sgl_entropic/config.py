@@ -57,6 +57,10 @@ class SamplingConfig(_Section):
     )
     warmup: int = Field(1, ge=0, le=10_000, description="first steps sampled at t_init, no update")
     tau: float = Field(5.0, gt=0.0, le=100.0, description="mirostat_v2 target surprise, in bits")
+    # For clients that cannot send custom_params (sglang-router 0.3.2 drops it on /generate and chat).
+    every_request: bool = Field(
+        False, description="server only: sampled requests without custom_params.entropic get this controller too"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> "SamplingConfig":
@@ -130,6 +134,12 @@ class EntropicConfig(_Section):
     scheduling: SchedulingConfig = SchedulingConfig()
     pruning: PruningConfig = PruningConfig()
 
+    @model_validator(mode="after")
+    def _every_request_needs_sampling(self) -> "EntropicConfig":
+        if self.sampling.every_request and not self.sampling_on:
+            raise ValueError(f"sampling.every_request needs mode sampling or full, not {self.mode}")
+        return self
+
     @property
     def sampling_on(self) -> bool:
         return self.mode in ("sampling", "full")
@@ -192,6 +202,8 @@ def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingC
     """
     if not isinstance(overrides, dict):
         raise ValueError(f"custom_params.entropic must be a JSON object, got {type(overrides).__name__}")
+    if "every_request" in overrides:
+        raise ValueError("custom_params.entropic.every_request: a server setting (--entropic-config), not per request")
     for key, value in overrides.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"custom_params.entropic.{key}: must be a finite number")

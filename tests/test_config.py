@@ -68,6 +68,14 @@ def test_bad_request_overrides_raise_value_error(overrides, needle):
     assert needle in str(err.value)
 
 
+def test_every_request_is_a_server_setting_that_needs_the_sampling_loop():
+    assert EntropicConfig.model_validate({"mode": "sampling", "sampling": {"every_request": True}}).sampling.every_request
+    with pytest.raises(ValidationError, match="needs mode sampling or full"):
+        EntropicConfig.model_validate({"mode": "pruning", "sampling": {"every_request": True}})
+    with pytest.raises(ValueError, match="custom_params.entropic.every_request"):
+        request_sampling_config(SamplingConfig(), {"every_request": True})
+
+
 def test_config_arg_takes_inline_json_or_a_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"mode": "off"}))

@@ -62,6 +62,7 @@ def test_top5_logprobs_match_transformers(server, hf_model):
         (["--entropic-config", '{"sampling": {"eta": NaN}}'], "NaN"),
         (["--entropic-config", "/no/such/file.json"], "not inline JSON and not a file"),
         (["--entropic", "off", "--entropic-config", '{"mode": "full"}'], "contradicts"),
+        (["--entropic", "pruning", "--entropic-config", '{"sampling": {"every_request": true}}'], "every_request needs"),
         (["--entropic", "sampling", "--schedule-policy", "entropic"], "--schedule-policy entropic"),
     ],
 )

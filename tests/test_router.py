@@ -3,7 +3,8 @@
 What passes through the router, per endpoint, is asserted here and tabled in the README ("Scaling
 out"): the signal on /generate and /v1/completions (streaming included), custom_params on
 /v1/completions, cache-aware routing that keeps a conversation on the worker holding its prefix, and
-a load test with client aborts after which no worker holds any KV or request slot.
+a load test with client aborts after which no worker holds any KV or request slot. What the router
+drops (custom_params on /generate and chat) the workers supply with `sampling.every_request`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ pytestmark = pytest.mark.server
 WORKERS = 2
 # A small KV pool each (the launcher's default, 65536 fp32 tokens, is ~3 GB): the suite's shared and
 # stock servers are still up, and four full pools crowd a 24 GB machine.
-WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",
-              *COMMON_ARGS]
 # Completions through the router carry custom_params: bounds that exclude the request's own
-# temperature (0.8), so a trace inside them proves the controller ran.
+# temperature (0.8), so a trace inside them proves the controller ran. The workers give the same
+# controller to every sampled request (`sampling.every_request`): the router drops custom_params
+# on /generate and chat.
 T_MIN, T_MAX = 0.3, 0.6
 CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": T_MIN, "t_max": T_MAX, "t_init": 0.5}}
+WORKER_CONFIG = {"sampling": {**CONTROLLER["entropic"], "every_request": True}}
+WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",
+              "--entropic-config", json.dumps(WORKER_CONFIG), "--enable-metrics", *COMMON_ARGS]
 
 
 class Cluster:
@@ -143,6 +147,27 @@ def test_cache_aware_routing_keeps_each_conversation_on_the_worker_with_its_pref
         second = cluster.router.generate({"text": history, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         cached.append((first["meta_info"]["prompt_tokens"], second["meta_info"]["cached_tokens"]))
     assert all(hit >= prompt for prompt, hit in cached), cached
+
+
+def _controlled_tokens(worker) -> float:
+    """Tokens the worker's controller has sampled (the sglang:entropic_temperature histogram's count)."""
+    lines = worker.get("/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("sglang:entropic_temperature_count"))
+
+
+def test_every_request_puts_the_workers_controller_on_generate_and_chat_through_the_router(cluster):
+    """What the router drops (custom_params on /generate and chat) the workers' default supplies."""
+    body = {"text": CHAT.format("Name a river."), "return_entropy": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0.9}}
+    temps = cluster.router.generate(body)["meta_info"]["temperature"]
+    assert len(temps) == 6 and all(T_MIN - 1e-6 <= t <= T_MAX + 1e-6 for t in temps), temps  # not 0.9
+    greedy = cluster.router.generate({**body, "sampling_params": {**body["sampling_params"], "temperature": 0}})
+    assert greedy["meta_info"]["temperature"] == [0.0] * 6  # greedy stays greedy
+    before = sum(_controlled_tokens(w) for w in cluster.workers)
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 6,
+            "temperature": 0.9, "ignore_eos": True}
+    assert cluster.router.post("/v1/chat/completions", chat).status_code == 200
+    assert sum(_controlled_tokens(w) for w in cluster.workers) - before == 6  # every chat token was controlled
 
 
 # ---------------------------------------------------------------- load through the router

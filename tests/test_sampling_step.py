@@ -106,6 +106,23 @@ def test_request_controllers_is_the_one_check():
         request_controllers(params({}), EntropicConfig(mode="scheduling"))
 
 
+def test_every_request_gives_the_servers_controller_to_requests_that_ask_for_none():
+    cfg = EntropicConfig.model_validate({"sampling": {"every_request": True, "t_min": 0.3, "t_max": 1.2}})
+
+    def plain(temperature=1.0, top_k=50):  # no custom_params: what a router forwards
+        return SimpleNamespace(custom_params=None, temperature=temperature, top_k=top_k)
+
+    controller, mirostat = request_controllers(plain(0.7), cfg)
+    assert controller.temperature == 0.7 and controller.target == 2.0 and mirostat is None
+    assert request_controllers(plain(top_k=1), cfg) == (None, None)  # greedy stays greedy
+    assert request_controllers(plain(1.5), cfg) == (None, None)  # outside the bounds: as sent, not clipped
+    pinned = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"t_init": 0.5})})
+    assert request_controllers(plain(1.5), pinned)[0].temperature == 0.5
+    miro = EntropicConfig.model_validate({"sampling": {"every_request": True, "controller": "mirostat_v2", "tau": 3.0}})
+    assert request_controllers(plain(), miro)[1].mu == 6.0
+    assert request_controllers(plain(0.7), EntropicConfig()) == (None, None)  # off by default
+
+
 
 def test_a_step_reads_the_device_once():
     s = Stepper()

@@ -50,7 +50,7 @@ def request_controllers(
     """The request's controller from `custom_params.entropic` (or none), or ValueError naming the field."""
     overrides = (sampling_params.custom_params or {}).get(ENTROPIC_KEY)
     if overrides is None:
-        return None, None
+        return _server_controller(sampling_params, config)
     if not config.sampling_on:
         raise ValueError(f"custom_params.entropic: entropic sampling is not enabled on this server (mode={config.mode})")
     cfg = request_sampling_config(config.sampling, overrides)
@@ -62,6 +62,25 @@ def request_controllers(
         return ControllerState.from_config(cfg, sampling_params.temperature), None
     except ValueError as err:
         raise ValueError(f"custom_params.entropic: {err}; or set custom_params.entropic.t_init") from None
+
+
+def _server_controller(
+    sampling_params, config: EntropicConfig
+) -> tuple[Optional[ControllerState], Optional[MirostatState]]:
+    """With `sampling.every_request`, the server's controller for a request that asked for none.
+
+    Greedy requests, and ones whose temperature lies outside [t_min, t_max] with no server t_init,
+    stay as sent: a request that asked for nothing is never refused or clipped.
+    """
+    cfg = config.sampling
+    if not (config.sampling_on and cfg.every_request) or sampling_params.top_k == 1:
+        return None, None
+    if cfg.controller == "mirostat_v2":
+        return None, MirostatState.from_config(cfg)
+    try:
+        return ControllerState.from_config(cfg, sampling_params.temperature), None
+    except ValueError:
+        return None, None
 
 
 def after_verify(result, sampling_params, *args, **kwargs):
