@@ -212,7 +212,7 @@ def test_pinned_temperature_is_constant(loop):
 # ============================================================================ 2. bad inputs at the edges
 # The matrix is generated from SamplingConfig itself, so a new field cannot go untested.
 
-NUMERIC = [name for name in SamplingConfig.model_fields if name != "controller"]
+NUMERIC = [name for name in SamplingConfig.model_fields if name not in ("controller", "every_request")]
 RAW = "__raw__"  # placeholder for a literal that standard JSON cannot carry (NaN, Infinity)
 
 
@@ -258,6 +258,8 @@ def _bad_field_values():
     cases += [("controller", "wrong_type", v) for v in (1, True, None, ["entropic"], {"v": "entropic"})]
     cases += [("controller", "out_of_range", v) for v in ("greedy", "Entropic", "mirostat", "", "mirostat_v1")]
     cases += [("controller", "non_finite", RAW + "NaN")]
+    # a server setting: refused in a request whatever its value
+    cases += [("every_request", "server_only", v) for v in (True, False, None, 1, "on")]
     return cases
 
 
@@ -402,7 +404,10 @@ def _launcher_cases():
     for section, model in SECTIONS.items():
         for name, info in model.model_fields.items():
             wrong = 1 if "Literal" in str(info.annotation) else "x"  # a Literal (mode) takes strings
-            values = [wrong] + ([] if "Literal" in str(info.annotation) else _out_of_range(model, name))
+            if info.annotation is bool:  # strict: neither 1 nor "true" is a bool
+                values = [wrong, 1, "true"]
+            else:
+                values = [wrong] + ([] if "Literal" in str(info.annotation) else _out_of_range(model, name))
             for v in values:
                 if (section, name, v) not in ALREADY_IN_FOUNDATION:
                     cases.append((["--entropic-config", json.dumps({section: {name: v}})], f"{section}.{name}"))
