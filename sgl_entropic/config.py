@@ -28,6 +28,7 @@ MODES: tuple[str, ...] = ("off", "sampling", "scheduling", "pruning", "full")
 # The environment variable that carries the validated server config into every SGLang process
 # (the scheduler and detokenizer are spawned, so they inherit the launcher's environment).
 CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
+SERVER_ONLY = frozenset({"every_request"})  # sampling fields a request may not set
 
 
 class _Section(BaseModel):
@@ -202,8 +203,9 @@ def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingC
     """
     if not isinstance(overrides, dict):
         raise ValueError(f"custom_params.entropic must be a JSON object, got {type(overrides).__name__}")
-    if "every_request" in overrides:
-        raise ValueError("custom_params.entropic.every_request: a server setting (--entropic-config), not per request")
+    server_only = sorted(SERVER_ONLY.intersection(overrides))
+    if server_only:
+        raise ValueError(f"custom_params.entropic.{server_only[0]}: a server setting (--entropic-config), not per request")
     for key, value in overrides.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"custom_params.entropic.{key}: must be a finite number")

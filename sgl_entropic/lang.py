@@ -19,9 +19,9 @@ from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 
 from sgl_entropic.plugin import frontend
-from sgl_entropic.config import SamplingConfig, format_error
+from sgl_entropic.config import SERVER_ONLY, SamplingConfig, format_error
 
-ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields)
+ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields) - SERVER_ONLY
 
 
 def gen(name: Optional[str] = None, **kwargs: Any):

@@ -157,3 +157,10 @@ def test_gen_with_choices_is_a_plain_select_and_refuses_entropic_keywords():
     assert select.choices == ["yes", "no"]  # scored by SGLang, not sampled: nothing to control
     with pytest.raises(ValueError, match="choices are scored"):
         sgl_entropic.gen("pick", choices=["yes", "no"], target_entropy=1.0)
+
+
+def test_gen_does_not_take_server_only_settings():
+    import sgl_entropic
+
+    with pytest.raises(TypeError, match="every_request"):  # a server setting, passed on to sgl.gen, which refuses it
+        sgl_entropic.gen("x", every_request=True)
