@@ -391,11 +391,11 @@ def log_line(msg: str) -> None:
 def cpu_model() -> dict[str, Any]:
     """The CPU and its bf16 support: bf16 matmuls without AVX512-BF16/AMX run several times slower than fp32."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     return {"cpu_model": name, "cpu_bf16_flags": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512f"))}
 
 

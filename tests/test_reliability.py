@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 
-from sgl_entropic.config import EntropicConfig, PruningConfig, SamplingConfig, SchedulingConfig
+from sgl_entropic.config import SERVER_ONLY, EntropicConfig, PruningConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
 from sgl_entropic.signal import entropy_exact
 from tests.conftest import ROOT
@@ -212,7 +212,7 @@ def test_pinned_temperature_is_constant(loop):
 # ============================================================================ 2. bad inputs at the edges
 # The matrix is generated from SamplingConfig itself, so a new field cannot go untested.
 
-NUMERIC = [name for name in SamplingConfig.model_fields if name not in ("controller", "every_request")]
+NUMERIC = [name for name in SamplingConfig.model_fields if name != "controller" and name not in SERVER_ONLY]
 RAW = "__raw__"  # placeholder for a literal that standard JSON cannot carry (NaN, Infinity)
 
 
@@ -258,8 +258,8 @@ def _bad_field_values():
     cases += [("controller", "wrong_type", v) for v in (1, True, None, ["entropic"], {"v": "entropic"})]
     cases += [("controller", "out_of_range", v) for v in ("greedy", "Entropic", "mirostat", "", "mirostat_v1")]
     cases += [("controller", "non_finite", RAW + "NaN")]
-    # a server setting: refused in a request whatever its value
-    cases += [("every_request", "server_only", v) for v in (True, False, None, 1, "on")]
+    # server settings: refused in a request whatever their value
+    cases += [(name, "server_only", v) for name in sorted(SERVER_ONLY) for v in (True, False, None, 1, "on")]
     return cases
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sgl_entropic.config import EntropicConfig, request_sampling_config
+from sgl_entropic.config import EntropicConfig, SamplingConfig, request_sampling_config
 from sgl_entropic.plugin import runtime
 from sgl_entropic.sampling import ControllerState, MirostatState
 
@@ -56,12 +56,17 @@ def request_controllers(
     cfg = request_sampling_config(config.sampling, overrides)
     if sampling_params.top_k == 1:
         raise ValueError("custom_params.entropic: needs sampling; temperature 0 (greedy) leaves nothing to control")
-    if cfg.controller == "mirostat_v2":
-        return None, MirostatState.from_config(cfg)
     try:
-        return ControllerState.from_config(cfg, sampling_params.temperature), None
+        return _controllers(cfg, sampling_params.temperature)
     except ValueError as err:
         raise ValueError(f"custom_params.entropic: {err}; or set custom_params.entropic.t_init") from None
+
+
+def _controllers(cfg: SamplingConfig, temperature: float) -> tuple[Optional[ControllerState], Optional[MirostatState]]:
+    """The state `cfg` selects; ValueError when the controller's t_init would be out of bounds."""
+    if cfg.controller == "mirostat_v2":
+        return None, MirostatState.from_config(cfg)
+    return ControllerState.from_config(cfg, temperature), None
 
 
 def _server_controller(
@@ -75,10 +80,8 @@ def _server_controller(
     cfg = config.sampling
     if not (config.sampling_on and cfg.every_request) or sampling_params.top_k == 1:
         return None, None
-    if cfg.controller == "mirostat_v2":
-        return None, MirostatState.from_config(cfg)
     try:
-        return ControllerState.from_config(cfg, sampling_params.temperature), None
+        return _controllers(cfg, sampling_params.temperature)
     except ValueError:
         return None, None
 
