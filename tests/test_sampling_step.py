@@ -123,7 +123,6 @@ def test_every_request_gives_the_servers_controller_to_requests_that_ask_for_non
     assert request_controllers(plain(0.7), EntropicConfig()) == (None, None)  # off by default
 
 
-
 def test_a_step_reads_the_device_once():
     s = Stepper()
     cfg = SamplingConfig(target_entropy=1.0, warmup=0)
