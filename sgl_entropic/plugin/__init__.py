@@ -62,6 +62,8 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         Hook(S + "model_executor.model_runner.ModelRunner.sample", "around", sampling_step.around_model_runner_sample,
              "scheduler"),
         Hook(S + "layers.sampler.Sampler.forward", "around", sampling_step.around_sampler_forward, "scheduler"),
+        Hook(S + "managers.scheduler.Scheduler.process_batch_result", "before",
+             sampling_step.before_process_batch_result, "scheduler"),
         # --- with --dp-size N: the DP controller forwards only its own keys of the schedulers' init info
         Hook(S + "managers.data_parallel_controller.DataParallelController.get_init_info", "after",
              server_info.after_dp_get_init_info, "dp_controller"),

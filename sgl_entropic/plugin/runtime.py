@@ -10,6 +10,7 @@ admissions are counted, never timed.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -61,6 +62,7 @@ class Runtime:
     # while SGLang runs one decode step (update_running_batch -> run_batch).
     rows: Any = None
     forward_batch: Any = None
+    pending: deque = field(default_factory=deque)  # sampled steps whose traces are on their way to the host
     defer_prepare: bool = False
     split: Any = None
     gains: GainMemory = field(default_factory=GainMemory)  # E[dH] per prompt prefix, for admission
