@@ -37,7 +37,6 @@ class RequestState:
     mirostat: Optional[MirostatState] = None
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
-    last_surprisal: float = float("nan")  # of the last sampled token (nats), for the pruning loop
     prefix_key: tuple = ()  # its first prompt tokens: where its E[dH] is remembered (GainMemory)
 
 
@@ -53,7 +52,7 @@ class Runtime:
     controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
-    crossover: list = field(default_factory=list)  # its start-up timings (sgl_entropic.crossover.Timing)
+    probe: Any = None  # its start-up pass: self-check, crossover timings (attention.Probe)
     # The scheduler's clock: forward batches and admissions so far.
     steps: int = 0
     arrivals: int = 0

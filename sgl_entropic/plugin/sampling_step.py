@@ -48,7 +48,8 @@ class BatchRows:
     produces: list[bool]
     states: list[Optional[RequestState]]
     decode: bool = True  # a decode step (else prefill/extend: no decode-budget wait precedes its token)
-    attended: Optional[list[float]] = None  # share of its context each row read, set by a pruned plan
+    attended: Optional[list[float]] = None  # share of its context each row attended, set by a pruned plan
+    read: Optional[list[float]] = None  # share of its context's KV each row read (with the rescored keys)
     forward_iter: Optional[int] = None  # SGLang's number of the batch: its result is processed by it
 
     @classmethod
@@ -207,7 +208,7 @@ class PendingRecord:
                 fractions.append(fraction)
                 parked += self.parked[i]
             if ok:
-                cost = step_cost(rt.dims, seq_lens[i] * fraction)
+                cost = step_cost(rt.dims, seq_lens[i] * (self.rows.read[i] if self.rows.read is not None else fraction))
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
                 state.gain.observe(entropy[i])
