@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# README command 2: set up, then run the test suite (it starts its own real server).
+# README command 2: set up, then run the tests (they start their own real servers).
+#   bash scripts/test.sh           the default tier: before every commit (<= 20 minutes on 2 cores)
+#   bash scripts/test.sh --slow    the slow tier: long load and benchmark-like tests
+#   bash scripts/test.sh --all     both tiers
+# Any other argument goes to pytest (e.g. -q, -k pattern, a test file). The 15 slowest tests are listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=(-m "not slow")
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --slow) tier=(-m slow) ;;
+    --all) tier=() ;;
+    *) args+=("$arg") ;;
+  esac
+done
 bash scripts/setup.sh --router  # tests/test_router.py runs SGLang's router
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest ${tier[@]+"${tier[@]}"} --durations=15 ${args[@]+"${args[@]}"}

@@ -136,3 +136,43 @@ def test_the_cuda_path_passes_the_self_check_and_plans_once_without_reading_the_
     assert indptr.device.type == last_page_len.device.type == "cpu" and page_size == 1
     lists = 3 if per_head else 1
     assert indptr.tolist()[-1] == sum(r.kept_tokens for r in rows) * lists and (qo_heads, kv_heads) == (9 // lists, 3 // lists)
+
+
+def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashinfer_sparse, monkeypatch):
+    """The CUDA backend's own per-step path, SGLang's FlashInfer parts stubbed (no GPU here): its
+    init_forward_metadata (plan, FlashInfer plan), every layer's selection and slot writes as its
+    forward_decode makes them, then the sampling step: no device read inside the step, and the step's
+    one transfer of traces handed over without waiting."""
+    import torch
+    from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
+
+    from sgl_entropic.config import EntropicConfig, SamplingConfig
+    from sgl_entropic.plugin.attention import PagePlanner
+    from sgl_entropic.sampling import ControllerState
+    from tests.stepping import HostReads, Stepper
+    from tests.test_attention_backend import CFG, HEADS_KV, HEADS_Q, LAYERS, _layer, _setup
+
+    runner, _, batch, q, _ = _setup(CFG, [700, 300, 1000, 129])
+    monkeypatch.setattr(FlashInferAttnBackend, "init_forward_metadata",
+                        lambda self, fb: setattr(self, "forward_metadata", DecodeMetadata([object()])))
+    backend = object.__new__(flashinfer_sparse.EntropicFlashInferAttnBackend)  # SGLang's __init__ needs CUDA
+    backend.planner = PagePlanner(runner, CFG)
+    backend.sparse = flashinfer_sparse.FlashInferSparse(None, (HEADS_Q, HEADS_KV, 16), (torch.float32,) * 2, 16, False)
+    backend.decode_wrappers = [object()]
+    store, pool = backend.planner.store, runner.token_to_kv_pool
+    for layer in range(LAYERS):  # the prompts' keys, as the extend steps fold them
+        store.write_keys(layer, torch.arange(pool.k[layer].shape[0]), pool.k[layer])
+    stepper = Stepper(EntropicConfig(mode="full"))
+    reqs = [stepper.req(controller=ControllerState.from_config(SamplingConfig(), 0.8)) for _ in range(4)]
+    logits = torch.randn(4, 50)
+    with HostReads(host=[batch.seq_lens_cpu]) as mode:
+        backend.init_forward_metadata(batch)
+        for layer in range(LAYERS):  # what forward_decode does before FlashInfer runs the layer
+            assert backend.planner.sparse_layer(_layer(layer))
+            backend.sparse.select(q, pool.k[layer], store.kmin[layer], store.kmax[layer], 0.25)
+        step = stepper.begin(reqs, logits, [0.8] * 4)
+        _, pending = step.record(logits.clone(), logits.argmax(dim=-1), [700, 300, 1000, 129])
+    assert backend.pruned and backend.sparse_metadata.decode_wrappers == [backend.sparse.decoder]
+    assert mode.reads == [] and len(mode.transfers) == 1, (mode.reads, mode.transfers)
+    pending.finish(stepper.rt)  # where SGLang processes the batch's result
+    assert all(len(r.customized_info["entropy"]) == 1 for r in reqs)

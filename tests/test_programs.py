@@ -8,15 +8,12 @@ constrained JSON validates.
 import json
 import re
 import statistics
-import subprocess
-import sys
 
 import jsonschema
 import pytest
 
 from programs import agent, chat, extract, fork_join
 from programs._backend import endpoint
-from tests.conftest import ROOT
 
 @pytest.fixture(scope="module")
 def backend(server):
@@ -124,30 +121,6 @@ def test_extract_outputs_parse_and_validate_against_the_schema(backend):
         assert item["fields_correct"] == sum(record[k] == v for k, v in item["expected"].items())
         assert len(item["entropy"]) == item["trace"]["tokens"] > 0
     assert result["valid_rate"] == 1.0
-
-
-ENGINE_SCRIPT = r"""
-import json
-import sgl_entropic
-from programs import fork_join
-
-engine = sgl_entropic.Engine(dtype="float32")
-question = next(iter(fork_join.QUESTIONS))
-result = fork_join.run(sgl_entropic.EngineBackend(engine), questions={question: fork_join.QUESTIONS[question]})
-print("RESULT " + json.dumps(result))
-engine.shutdown()
-"""
-
-
-@pytest.mark.server
-def test_fork_join_runs_on_an_in_process_engine():
-    """The `--engine` path. The branches call the one engine from concurrent threads, which
-    EngineBackend has to serialize (sgl.Engine.generate is not reentrant)."""
-    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, proc.stderr[-4000:]
-    (item,) = json.loads(lines[0][len("RESULT "):])["questions"]
-    assert_join_chose_the_lowest_mean_surprisal(item)
 
 
 def test_gen_with_choices_is_a_plain_select_and_refuses_entropic_keywords():

@@ -1,13 +1,11 @@
-"""The meso loop on real servers: pruned decode keeps passkey retrieval, every step's budget is the
-one its entropy sets, keeping everything is stock SGLang, and a reused radix prefix is selected from
-too."""
+"""The meso loop on the real server: pruned decode keeps passkey retrieval, every step attends the share
+its budget sets, and a reused radix prefix is selected from too. (Our kernel over every page against
+SGLang's own decode loop: tests/test_attention_backend.py, in-process.)"""
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,12 +13,11 @@ import pytest
 from programs.passkey import Case, answered_key, make_cases
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.pruning import reference_entropy_for_vocab, row_pages
-from tests.conftest import COMMON_ARGS, start_server, stop_server
 
 pytestmark = pytest.mark.server
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
-LONG_PROMPT_TIMEOUT_S = 1200  # a 6k-token fp32 prefill in 256-token chunks on a busy 2-core machine
+LONG_PROMPT_TIMEOUT_S = 900  # a 4k-token fp32 prefill in 256-token chunks on a busy 2-core machine
 
 
 def _generate(srv, payload: dict) -> dict:
@@ -36,9 +33,9 @@ def _decode_attended(meta: dict) -> float:
 
 @pytest.fixture(scope="module")
 def passkey_results(server, stock_server):
-    """Passkeys in 2-6k tokens at four depths: pruned (our full-mode server) and dense (stock)."""
+    """Passkeys at 2.5k and 4k tokens: pruned (our full-mode server) and dense (stock)."""
     rng = random.Random(7)
-    cases = [Case(n, depth, rng.randint(10000, 99999)) for n, depth in ((2000, 0.1), (3000, 0.7), (4000, 0.5), (6000, 0.3))]
+    cases = [Case(n, depth, rng.randint(10000, 99999)) for n, depth in ((2500, 0.7), (4000, 0.3))]
 
     def ask(srv, case):
         return _generate(srv, {"text": case.prompt, "sampling_params": GREEDY, "return_entropy": srv is server})
@@ -53,17 +50,18 @@ def test_passkey_retrieval_survives_pruning(passkey_results):
     cases, pruned, dense = passkey_results
     dense_ok = [answered_key(d["text"]) == c.key for c, d in zip(cases, dense)]
     pruned_ok = [answered_key(p["text"]) == c.key for c, p in zip(cases, pruned)]
-    assert sum(dense_ok) >= 3, f"the dense model itself fails this probe: {[d['text'] for d in dense]}"
+    assert all(dense_ok), f"the dense model itself fails this probe: {[d['text'] for d in dense]}"
     assert all(p for p, d in zip(pruned_ok, dense_ok) if d), [p["text"] for p in pruned]
 
 
-def test_every_step_attends_the_pages_its_entropy_budget_keeps(server, passkey_results):
+def test_every_step_attends_the_pages_its_budget_keeps(server, passkey_results):
     """Decode step t (context = prompt + t tokens) keeps the pages row_pages gives for the entropy of
-    token t - 1 (the request's latest H when the step was planned): the budget comes from entropy."""
+    token t - 1 (the request's latest H when the step was planned), under the server's own config."""
     _, pruned, _ = passkey_results
-    measured = server.get("/server_info").json()["entropic"]["pruning"]["min_context"]
-    # the server's defaults with its measured crossover, SmolLM2's vocabulary
-    cfg, h_ref = PruningConfig(min_context=measured), reference_entropy_for_vocab(49152)
+    info = server.get("/server_info").json()["entropic"]
+    # the server's own pruning config with the min_context it runs with, SmolLM2's vocabulary
+    cfg = PruningConfig(**{**info["config"]["pruning"], "min_context": info["pruning"]["min_context"]})
+    h_ref = reference_entropy_for_vocab(49152)
     for out in pruned:
         meta = out["meta_info"]
         prompt, attended, entropy = meta["prompt_tokens"], meta["attended"], meta["entropy"]
@@ -71,29 +69,7 @@ def test_every_step_attends_the_pages_its_entropy_budget_keeps(server, passkey_r
         for t in range(1, len(attended)):
             rows = row_pages(prompt + t, entropy[t - 1], cfg, h_ref)
             assert attended[t] == pytest.approx(rows.kept_tokens / (prompt + t), rel=1e-9), (t, entropy[t - 1])
-        assert max(attended[1:]) < 0.7  # it really prunes: about half the context or less
-
-
-@pytest.fixture(scope="module")
-def keep_all_server(tmp_path_factory):
-    """Pruning on, with min_keep_ratio = max_keep_ratio = 1 and no minimum context: theta = -inf."""
-    log = tmp_path_factory.mktemp("keep_all") / "server.log"
-    config = {"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "min_context": 0}}
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "pruning",
-           "--entropic-config", json.dumps(config), *COMMON_ARGS]
-    srv = start_server(cmd, log)
-    yield srv
-    stop_server(srv.proc)
-
-
-def test_threshold_minus_infinity_is_stock_sglang(keep_all_server, stock_server):
-    prompts = [make_cases([1500], [0.3], seed=1)[0].prompt, "The capital of France is", "def fibonacci(n):"]
-    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
-    for prompt in prompts:
-        ours = _generate(keep_all_server, {"text": prompt, "sampling_params": params, "return_entropy": True})
-        stock = _generate(stock_server, {"text": prompt, "sampling_params": params})
-        assert ours["output_ids"] == stock["output_ids"]
-        assert ours["meta_info"]["attended"] == [1.0] * 24
+        assert max(attended[1:]) < 0.45  # it really prunes: a third of the context or so
 
 
 def test_a_reused_prefix_is_selected_from(server):
@@ -105,4 +81,4 @@ def test_a_reused_prefix_is_selected_from(server):
                                 "sampling_params": GREEDY, "return_entropy": True})
     assert second["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"] - 16
     assert answered_key(first["text"]) == case.key and answered_key(second["text"]) == case.key
-    assert _decode_attended(second["meta_info"]) < 0.7
+    assert _decode_attended(second["meta_info"]) < 0.45
