@@ -26,6 +26,10 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
         "hooks_applied": not missing,
         "hooks_missing": missing,
     }
+    if rt.config.scheduling_on:
+        result[ENTROPIC_KEY]["scheduling"] = applied_order(rt, scheduler)
+        if rt.config.scheduling.order == "entropic":
+            result["schedule_policy"] = "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
     if rt.config.pruning_on:
         result[ENTROPIC_KEY]["pruning"] = {
             "min_context": rt.pruning_from,  # rows shorter than this attend densely
@@ -33,6 +37,18 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
                              for t in rt.crossover],
         }
     return result
+
+
+def applied_order(rt, scheduler) -> dict:
+    """Which order each queue really runs under: the users' choices first (scheduling_hooks)."""
+    args, ours = scheduler.server_args, rt.config.scheduling.order == "entropic"
+    return {
+        "waiting_order": "entropic" if ours else args.schedule_policy,
+        "retraction_order": "entropic" if ours else args.retraction_policy,
+        "sglang_policy_under_it": args.schedule_policy,
+        "request_priority_first": bool(args.enable_priority_scheduling),
+        "decode_budget": rt.config.scheduling.decode_budget,
+    }
 
 
 def after_dp_get_init_info(result, controller, *args, **kwargs):
@@ -47,6 +63,8 @@ def after_dp_get_init_info(result, controller, *args, **kwargs):
             "hooks_missing": sorted({t for s in sections for t in s["hooks_missing"]}),
             "ranks": len(infos),
         }
+        if "schedule_policy" in infos[0]:
+            result["schedule_policy"] = infos[0]["schedule_policy"]
     return result
 
 

