@@ -81,6 +81,7 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
     result.internal_state[ENTROPIC_KEY] = {
         "dp_rank": _dp_rank(),  # with --dp-size N every scheduler reports its own (internal_states[i])
         "requests_admitted": rt.arrivals,
+        "work_served": rt.served,  # the macro loop's clock (scheduling.batch_work; counted with scheduling on)
         "live_request_states": len(rt.live_states),
         "leaked_request_states": leaked,
         # KV held by requests (the radix cache's evictable prefix pages are not "held")
