@@ -6,10 +6,11 @@ end-of-sequence p(EOS) and the entropy H_t. Do they rank remaining lengths bette
 baseline that knows only the tokens generated so far and the prompt length?
 
 Data: chat answers of natural length (no ignore_eos) from the bundled SmolLM2-135M-Instruct in
-fp32 with transformers, to the 80 MT-Bench questions, both turns (the second turn sees the model's
-own first answer), sampled at T = --temperature with a fixed seed, capped at --max-new-tokens (an
-answer that reaches the cap counts as length = cap: what a server with that max_new_tokens sees).
-Every step records p(EOS) and H of the distribution actually sampled (at T).
+fp32, served by our launcher with every loop off (`--entropic off`: SGLang plus the signal), to
+the 80 MT-Bench questions, both turns (the second turn sees the model's own first answer), sampled
+at T = --temperature, capped at --max-new-tokens (an answer that reaches the cap counts as
+length = cap: what a server with that max_new_tokens sees). Every step gives p(EOS) (SGLang's
+`token_ids_logprob` of the EOS token) and H (`return_entropy`: the distribution actually sampled).
 
 At checkpoints t (tokens generated so far) every answer still running gives one sample: its
 actual remaining tokens R = L - t and the predictors' values. Predictors:
@@ -36,13 +37,27 @@ import sys
 import time
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
-import torch
 from scipy.stats import kendalltau, spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_model, environment, log_line, markdown_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    bundled_model,
+    default_device,
+    environment,
+    free_port,
+    generate,
+    log_line,
+    markdown_table,
+    ours_command,
+    server_env,
+    sglang_common_args,
+    start_server,
+    write_json,
+)
 
 CHECKPOINTS = (1, 4, 16, 32, 64, 128, 256, 512)
 MAX_WINDOW, SLOPE_WINDOW = 16, 32
@@ -63,71 +78,44 @@ def chatml(turns: list[tuple[str, str | None]]) -> str:
     return text
 
 
-@torch.inference_mode()
-def generate(model, tok, prompts: list[str], args, seed: int) -> list[dict]:
-    """Sampled answers, one row per prompt, with p(EOS) and H of every step (left-padded batch)."""
-    eos = tok.eos_token_id
-    gen = torch.Generator().manual_seed(seed)
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    n = ids.shape[0]
-    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1]
-    done = torch.zeros(n, dtype=torch.bool)
-    rows = [{"tokens": [], "p_eos": [], "entropy": []} for _ in range(n)]
-    for _ in range(args.max_new_tokens):
-        z = logits.float() / args.temperature
-        logp = torch.log_softmax(z, dim=-1)
-        p = logp.exp()
-        entropy = -(p * logp).nansum(-1)
-        nxt = torch.multinomial(p, 1, generator=gen).squeeze(-1)
-        for i in range(n):
-            if not done[i]:
-                rows[i]["tokens"].append(int(nxt[i]))
-                rows[i]["p_eos"].append(float(p[i, eos]))
-                rows[i]["entropy"].append(float(entropy[i]))
-        done |= nxt == eos
-        if bool(done.all()):
-            break
-        mask = torch.cat([mask, torch.ones(n, 1, dtype=mask.dtype)], dim=1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=past, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
-    for i, r in enumerate(rows):
-        r["prompt_len"] = int(enc["attention_mask"][i].sum())
-        r["length"] = len(r["tokens"])
-        r["capped"] = r["tokens"][-1] != eos if r["tokens"] else True
-    return rows
+def answer(url: str, prompt: str, args, eos: int) -> dict:
+    """One sampled answer with, per step, p(EOS) (SGLang's logprob of the EOS token) and H (ours)."""
+    payload = {"text": prompt, "return_entropy": True, "return_logprob": True, "token_ids_logprob": [eos],
+               "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}}
+    r = generate(url, payload, timeout_s=3600)
+    if not r.ok:
+        raise RuntimeError(f"generation failed: {r.error}")
+    meta = r.meta
+    p_eos = [math.exp(next(lp for lp, tid, *_ in pos if tid == eos)) for pos in meta["output_token_ids_logprobs"]]
+    return {"prompt_len": meta["prompt_tokens"], "length": meta["completion_tokens"], "p_eos": p_eos,
+            "entropy": [h if h is not None else float("nan") for h in meta["entropy"]],
+            "capped": meta["finish_reason"]["type"] == "length", "text": r.response.get("text", "")}
 
 
 def answers(args) -> list[dict]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """All answers, from our launcher with every loop off (the signal only), fp32, continuous batching."""
+    from transformers import AutoTokenizer
 
-    path = args.model_path or bundled_model()
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    torch.set_num_threads(args.threads)
+    model = args.model_path or bundled_model()
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    port = free_port()
+    cmd = ours_command(port, sglang_common_args(model, default_device(), "float32"), mode="off")
     questions = mtbench()[: args.questions]
     out: list[dict] = []
     firsts: dict[int, str] = {}
-    for turn in (0, 1):
-        prompts, meta = [], []
-        for q in questions:
-            history = [(q["turns"][0], firsts[q["question_id"]])] if turn else []
-            prompts.append(chatml(history + [(q["turns"][turn], None)]))
-            meta.append((q["question_id"], q["category"]))
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding per batch
-        for b in range(0, len(order), args.batch):
-            idx = order[b:b + args.batch]
+    with start_server("remaining-work", cmd, port, server_env(default_device(), stock=False)) as srv:
+        for turn in (0, 1):
             t0 = time.perf_counter()
-            rows = generate(model, tok, [prompts[i] for i in idx], args, seed=args.seed + 1000 * turn + b)
-            for i, r in zip(idx, rows):
-                r.update(question_id=meta[i][0], category=meta[i][1], turn=turn + 1)
+            prompts = [chatml(([(q["turns"][0], firsts[q["question_id"]])] if turn else []) + [(q["turns"][turn], None)])
+                       for q in questions]
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                rows = list(pool.map(lambda p: answer(srv.url, p, args, eos), prompts))
+            for q, r in zip(questions, rows):
+                r.update(question_id=q["question_id"], category=q["category"], turn=turn + 1)
                 if turn == 0:
-                    firsts[meta[i][0]] = tok.decode(r["tokens"], skip_special_tokens=True)
+                    firsts[q["question_id"]] = r["text"]
                 out.append(r)
-            log_line(f"turn {turn + 1}: {b + len(idx)}/{len(order)} answers, longest {max(r['length'] for r in rows)} "
-                     f"tokens, {time.perf_counter() - t0:.0f}s")
+            log_line(f"turn {turn + 1}: {len(rows)} answers in {time.perf_counter() - t0:.0f}s")
     return out
 
 
@@ -203,11 +191,9 @@ def evaluate(rows: list[dict], decay: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", type=int, default=80)
-    ap.add_argument("--max-new-tokens", type=int, default=768)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--batch", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=24)
+    ap.add_argument("--concurrency", type=int, default=40, help="requests in flight")
     ap.add_argument("--ema", type=float, default=0.9, help="EMA decay of p(EOS) and H")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--from-json", default=None, help="re-score the answers of an earlier run")
