@@ -2,7 +2,6 @@
 parameters reach the sampler bit-for-bit unchanged; controlled rows are rescaled as documented;
 controller state lives on the device per request-pool slot and survives a move to another slot."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
