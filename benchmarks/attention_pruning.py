@@ -1,18 +1,23 @@
-"""Speed of sparse decode (the meso loop) against stock SGLang, end to end, in the same run.
+"""Speed of sparse decode (the meso loop) against stock SGLang, end to end, in the same run, each
+speedup split into what our attention kernel buys and what pruning buys.
 
-Two servers, ONE AT A TIME, same model, dtype, KV pool and chunked prefill: stock
-`python -m sglang.launch_server` (torch_native attention, its default page size) and ours with
-`--entropic pruning` (default config; the launcher sets --page-size 16). --rounds rounds, the
-order of the two rotated, each server warmed up first. For every context L in --contexts and
-batch B in --batches, B concurrent greedy requests continue B distinct windows of real text
-(Python source and essays) for --tokens new tokens (ignore_eos), streamed:
+Three servers, ONE AT A TIME, same model, dtype, KV pool and chunked prefill: stock
+`python -m sglang.launch_server` (torch_native attention, its default page size); `kernel`, ours with
+`--entropic pruning` keeping every page (no step prunes: steps run our batched kernel over every page
+where its start-up probe timed it faster than SGLang's loop, else SGLang's loop, as /server_info's
+`dense_kernel_from` says); and `ours`, `--entropic pruning` with the default config (or
+--entropic-config). --rounds rounds, the order rotated every round, each server warmed up first. For
+every context L in --contexts and batch B in --batches, B concurrent greedy requests continue B distinct
+windows of real text (Python source and essays) for --tokens new tokens (ignore_eos), streamed:
   - decode tok/s = B * (N - 1) / (end of the last stream - latest first-token time)
   - TTFT         = mean first streamed token (the prefill; ours also folds keys into page bounds)
-  - kept share   = ours' per-token `attended` traces (what the plan really read), from which
-                   attention FLOPs and KV bytes per decode token follow (sgl_entropic.costs)
-Reported: the median over rounds with min-max, and ours/stock ratios per round.
+  - kept share   = ours' per-token `attended` traces (what the plan attended); KV bytes read and
+                   attention FLOPs per decode token add the keys of the shortlist the exact rescoring
+                   reads (sgl_entropic.pruning.row_pages at the mid context)
+Reported: medians over rounds with min-max of ours/stock (the total), kernel/stock (the kernel) and
+ours/kernel (pruning) per round; total = kernel x pruning within a round.
 
-    .venv/bin/python benchmarks/attention_pruning.py                  # full run (~30 min, 2 cores)
+    .venv/bin/python benchmarks/attention_pruning.py                  # full run (~80 min, 2 cores)
     .venv/bin/python benchmarks/attention_pruning.py --quick          # smoke run
 """
 
@@ -37,7 +42,6 @@ from common import (  # noqa: E402
     free_port,
     log_line,
     markdown_table,
-    model_dims,
     ours_command,
     server_env,
     sglang_common_args,
@@ -46,7 +50,10 @@ from common import (  # noqa: E402
     stream_one,
     write_json,
 )
-from sgl_entropic.costs import attention_cost  # noqa: E402
+import requests  # noqa: E402
+
+from sgl_entropic.config import PruningConfig  # noqa: E402
+from sgl_entropic.pruning import row_pages  # noqa: E402
 
 
 def code_corpus() -> str:
@@ -114,6 +121,16 @@ def spread(xs: list[float], fmt: str) -> str:
     return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
 
 
+KEEP_ALL = {"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0}}
+
+
+def read_share(cfg: PruningConfig, context: float) -> float:
+    """KV bytes (and attention FLOPs) one pruned decode step reads, as a share of dense: the kept pages' keys
+    and values, plus the keys of the shortlist that the exact rescoring reads beyond them."""
+    rows = row_pages(int(context), float("nan"), cfg.model_copy(update={"min_context": 0}))
+    return (rows.kept_tokens + 0.5 * (rows.shortlist - rows.keep) * cfg.page_size) / rows.length
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="4000,7000")
@@ -129,61 +146,66 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     entropic_config = json.loads(args.entropic_config)
+    cfg = PruningConfig(**entropic_config.get("pruning", {}))
 
     from transformers import AutoTokenizer
 
     model, device = bundled_model(), default_device()
-    dims = model_dims(model, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model)
     common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"])
-    runs: dict = {"stock": [], "ours": []}
-    order = ["ours", "stock"]
+    commands = {"stock": lambda port: stock_command(port, common),
+                "kernel": lambda port: ours_command(port, common, "pruning", KEEP_ALL),
+                "ours": lambda port: ours_command(port, common, "pruning", entropic_config)}
+    runs: dict = {name: [] for name in commands}
+    probes: dict = {name: [] for name in commands if name != "stock"}
+    order = list(commands)
     for r in range(args.rounds):
+        order = order[1:] + order[:1]  # rotated every round
+        # fresh windows per round (no radix-cache hits across rounds), the same for every server
+        windows = {(n, b): text_windows(tokenizer, n, b, seed=1000 * r + 10 * n + b) for n in contexts for b in batches}
         for name in order:
-            # fresh windows per round (no radix-cache hits across rounds), the same for both servers
-            windows = {(n, b): text_windows(tokenizer, n, b, seed=1000 * r + 10 * n + b) for n in contexts for b in batches}
             port = free_port()
-            cmd = stock_command(port, common) if name == "stock" else ours_command(port, common, "pruning",
-                                                                                   entropic_config)
-            with start_server(f"speed-{name}", cmd, port, server_env(device, stock=name == "stock")) as srv:
+            with start_server(f"speed-{name}", commands[name](port), port, server_env(device, stock=name == "stock")) as srv:
+                if name in probes:
+                    pruning = requests.get(srv.url + "/server_info", timeout=60).json()["entropic"]["pruning"]
+                    probes[name].append({k: pruning[k] for k in ("min_context", "dense_kernel_from", "crossover_ms")})
                 warm_up(srv.url)
                 cells = {}
                 for key, ws in windows.items():
-                    cells[key] = speed_run(srv.url, ws, args.tokens, traces=name == "ours")
+                    cells[key] = speed_run(srv.url, ws, args.tokens, traces=name != "stock")
                     c = cells[key]
                     log_line(f"round {r + 1} {name} L={key[0]} B={key[1]}: decode {c['decode_tok_s']:.1f} tok/s, "
                              f"TTFT {c['ttft_s']:.2f} s" + (f", attended {c['attended']:.0%}" if "attended" in c else ""))
             runs[name].append(cells)
-        order.reverse()
 
     rows, table = [], []
     for n in contexts:
         for b in batches:
             key = (n, b)
-            stock = [run[key] for run in runs["stock"]]
-            ours = [run[key] for run in runs["ours"]]
-            speedup = [o["decode_tok_s"] / s["decode_tok_s"] for o, s in zip(ours, stock)]
+            stock, kernel, ours = ([run[key] for run in runs[name]] for name in ("stock", "kernel", "ours"))
+            tok = lambda xs: [x["decode_tok_s"] for x in xs]  # noqa: E731
+            total = [o / s for o, s in zip(tok(ours), tok(stock))]
+            kernel_part = [k / s for k, s in zip(tok(kernel), tok(stock))]
+            pruning_part = [o / k for o, k in zip(tok(ours), tok(kernel))]
             ttft = [o["ttft_s"] / s["ttft_s"] for o, s in zip(ours, stock)]
             kept = [o["attended"] for o in ours]
             rouge = [statistics.fmean(rouge_l(a, c) for a, c in zip(o["output_ids"], s["output_ids"]))
                      for o, s in zip(ours, stock)]
-            context_mid = n + args.tokens / 2
-            dense, pruned = attention_cost(dims, context_mid), attention_cost(dims, context_mid * statistics.median(kept))
-            row = {"context": n, "batch": b, "decode_tok_s_stock": [s["decode_tok_s"] for s in stock],
-                   "decode_tok_s_ours": [o["decode_tok_s"] for o in ours], "decode_speedup": speedup,
-                   "ttft_stock_s": [s["ttft_s"] for s in stock], "ttft_ours_s": [o["ttft_s"] for o in ours],
-                   "ttft_ratio": ttft, "kept_share": kept, "rouge_l_vs_stock": rouge,
-                   "attn_mflop_per_token": [dense.flops / 1e6, pruned.flops / 1e6],
-                   "kv_mb_per_token": [dense.kv_bytes / 1e6, pruned.kv_bytes / 1e6]}
+            read = read_share(cfg, n + args.tokens / 2)
+            row = {"context": n, "batch": b, "decode_tok_s": {"stock": tok(stock), "kernel": tok(kernel), "ours": tok(ours)},
+                   "decode_speedup": total, "kernel_speedup": kernel_part, "pruning_speedup": pruning_part,
+                   "ttft_s": {"stock": [s["ttft_s"] for s in stock], "ours": [o["ttft_s"] for o in ours]},
+                   "ttft_ratio": ttft, "kept_share": kept, "kv_read_share": read, "rouge_l_vs_stock": rouge}
             rows.append(row)
-            table.append([f"{n // 1000}k", b, spread(row["decode_tok_s_stock"], ".1f"), spread(row["decode_tok_s_ours"], ".1f"),
-                          spread(speedup, ".2f") + "x", spread(ttft, ".3f") + "x", spread(kept, ".0%"),
-                          f"{pruned.flops / dense.flops - 1:+.0%}", spread(rouge, ".2f")])
-    headers = ["context", "batch", "decode tok/s stock", "decode tok/s ours", "decode speedup", "TTFT ours/stock",
-               "kept share", "attn FLOPs & KV bytes", "ROUGE-L vs stock"]
+            table.append([f"{n // 1000}k", b, spread(tok(stock), ".1f"), spread(tok(kernel), ".1f"), spread(tok(ours), ".1f"),
+                          spread(total, ".2f") + "x", spread(kernel_part, ".2f") + "x", spread(pruning_part, ".2f") + "x",
+                          spread(ttft, ".3f") + "x", spread(kept, ".0%"), f"{read:.0%}", spread(rouge, ".2f")])
+    headers = ["context", "batch", "decode tok/s stock", "kernel (every page)", "ours (pruned)", "speedup ours/stock",
+               "kernel part", "pruning part", "TTFT ours/stock", "kept share", "KV bytes & attn FLOPs read",
+               "ROUGE-L vs stock"]
     md = markdown_table(headers, table)
     path = write_json("attention_pruning", {"environment": environment(), "args": vars(args), "rows": rows,
-                                            "markdown": md})
+                                            "probes": probes, "markdown": md})
     print(md)
     log_line(f"results: {path} (median over {args.rounds} rounds, min-max in parentheses)")
 

@@ -126,17 +126,25 @@ class Runtime:
         self.rt.dims = ModelDims.from_hf_config(self.runner.model_config.hf_config)
         self.stock = TorchNativeAttnBackend(self.runner)
         self.page_size = page_size
+        self._backends: dict = {}
 
     def backend(self, cfg: Optional[PruningConfig]):
+        """Stock, or our backend for `cfg`, made once (its start-up self-check and timing run once)."""
         from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
 
-        return self.stock if cfg is None else EntropicTorchNativeAttnBackend(self.runner, cfg)
+        if cfg is None:
+            return self.stock
+        if cfg not in self._backends:
+            self._backends[cfg] = EntropicTorchNativeAttnBackend(self.runner, cfg)
+        return self._backends[cfg]
 
     def generate(self, backend, prompt: list[int], steps: int, forced: Optional[list[int]] = None):
         """Greedy (or teacher-forced on `forced`) from `prompt`: (tokens, logits [steps, V] float32,
         kept share of the context per decode step)."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
+
+        from sgl_entropic.plugin.sampling_step import finish_pending
 
         self.bench.clear()
         self.runner.attn_backend = backend
@@ -148,10 +156,12 @@ class Runtime:
         req.logprob_start_len, req.extend_end = -1, len(prompt)
         req.entropic = self.rt.new_request_state(None, None)
         nxt, logits, batch = self.ob.extend([req], self.runner)
+        finish_pending(self.rt)  # what the scheduler does where it processes a batch's result
         tokens, all_logits = [int(nxt[0])], [logits[0].float().clone()]
         for t in range(1, steps):
             feed = torch.tensor([forced[t - 1] if forced is not None else tokens[-1]])
             nxt, logits = self.ob.decode(feed, batch, self.runner)
+            finish_pending(self.rt)
             tokens.append(int(nxt[0]))
             all_logits.append(logits[0].float().clone())
         attended = (req.customized_info or {}).get("attended", [1.0] * steps)[1:]
@@ -198,6 +208,11 @@ def p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)] if xs else float("nan")
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else float("nan")
+
+
 @dataclass
 class Tally:
     kl: list = field(default_factory=list)
@@ -214,8 +229,8 @@ class Tally:
             "positions": len(self.kl), "kl_mean": statistics.fmean(self.kl), "kl_p95": p95(self.kl),
             "top1": statistics.fmean(self.agree), "top1_gap": statistics.fmean(wide) if wide else float("nan"),
             "gap_positions": len(wide), "gap_misses": len(wide) - sum(wide),
-            "lcs_mean": statistics.fmean(self.lcs.values()), "same_token_share": statistics.fmean(self.same.values()),
-            "lead_mean": statistics.fmean(self.lead.values()), "kept_share": statistics.fmean(self.kept),
+            "lcs_mean": _mean(self.lcs.values()), "same_token_share": _mean(self.same.values()),
+            "lead_mean": _mean(self.lead.values()), "kept_share": statistics.fmean(self.kept),
             "lcs_per_window": self.lcs,
         }
 
@@ -266,18 +281,31 @@ def answered(text: str) -> Optional[int]:
 
 
 def configs(args) -> dict[str, PruningConfig]:
+    """The selection variants, each against the default at its own budget (README "Pruning")."""
     base = json.loads(args.entropic_config).get("pruning", {}) if args.entropic_config else {}
     base.setdefault("min_context", 1024)  # quality wherever it prunes, whatever this machine's crossover
     default = PruningConfig(**base)
-    out = {"quest (default)": default,
-           "quest_gated": default.model_copy(update={"selector": "quest_gated"}),
-           "surprisal": default.model_copy(update={"selector": "surprisal"})}
-    for share in args.shares:  # the trade-off curve: fixed kept shares of the candidates
-        out[f"quest {share:.0%}"] = default.model_copy(update={"min_keep_ratio": share, "max_keep_ratio": share})
+    variant = lambda **update: default.model_copy(update=update)  # noqa: E731
+    out = {"default": default,
+           "bound only (no rescoring)": variant(shortlist_ratio=None),
+           "per KV head": variant(per_head=True),
+           "previous default (bound only, 40-60 %)": variant(shortlist_ratio=None, min_keep_ratio=0.4,
+                                                             max_keep_ratio=0.6),
+           "surprisal (the paper's)": variant(selector="surprisal", shortlist_ratio=None)}
+    if args.entropy_budget:  # the paper's entropy-sized budget; compare it with --shares at its mean share
+        lo, hi = args.entropy_budget
+        out[f"entropy budget {lo:.0%}-{hi:.0%}"] = variant(min_keep_ratio=lo, max_keep_ratio=hi,
+                                                          shortlist_ratio=max(hi, default.shortlist_ratio or hi))
+    for share in args.shares:  # fixed budgets: the trade-off curve, and the entropy budget's control
+        out[f"fixed {share:.0%}"] = variant(min_keep_ratio=share, max_keep_ratio=share,
+                                           shortlist_ratio=max(share, default.shortlist_ratio or share))
     return out
 
 
-def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], steps: int, log) -> dict:
+def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], steps: int, log,
+              free_running: bool = True) -> dict:
+    """Per config and context: teacher-forced KL and top-1 against dense (the dense pass made once per
+    window) and, with free_running, the greedy continuation's agreement."""
     results: dict = {}
     for w in wins:
         t0 = time.perf_counter()
@@ -285,16 +313,18 @@ def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], s
         for name, cfg in cfgs.items():
             backend = rt.backend(cfg)
             _, tf_logits, kept = rt.generate(backend, w.ids, steps, forced=dense_tokens)
-            free_tokens, _, kept_free = rt.generate(backend, w.ids, steps)
             per = results.setdefault(name, {}).setdefault(len(w.ids) // 1000, Tally())
             cmp = compare(dense_logits, tf_logits)
             per.kl += cmp["kl"]
             per.agree += cmp["agree"]
             per.gap += cmp["gap"]
-            per.lcs[w.name] = lcs_ratio(dense_tokens, free_tokens)
-            per.same[w.name] = statistics.fmean(a == b for a, b in zip(dense_tokens, free_tokens))
-            per.lead[w.name] = leading_identical(dense_tokens, free_tokens)
-            per.kept += kept + kept_free
+            per.kept += kept
+            if free_running:
+                free_tokens, _, kept_free = rt.generate(backend, w.ids, steps)
+                per.lcs[w.name] = lcs_ratio(dense_tokens, free_tokens)
+                per.same[w.name] = statistics.fmean(a == b for a, b in zip(dense_tokens, free_tokens))
+                per.lead[w.name] = leading_identical(dense_tokens, free_tokens)
+                per.kept += kept_free
         log(f"{w.name}: {len(cfgs)} configs in {time.perf_counter() - t0:.0f} s")
     return {name: {ctx: t.summary() for ctx, t in per.items()} for name, per in results.items()}
 
@@ -337,13 +367,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="2000:1,4000:3,7000:2",
                     help="context:windows, the windows per kind (essay, code) of each context length")
     ap.add_argument("--steps", type=int, default=48, help="generated tokens per window")
-    ap.add_argument("--shares", default="0.3", help="fixed kept shares of the candidates, for the trade-off")
+    ap.add_argument("--shares", default="", help="fixed kept shares of the candidates (e.g. 0.2,0.25), for the "
+                    "trade-off and as the entropy budget's control at its mean share")
+    ap.add_argument("--entropy-budget", default="", help="min,max keep ratios of the entropy-sized budget, e.g. 0.15,0.6")
+    ap.add_argument("--configs", default="", help="run only these configs (comma-separated names, default all)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--entropic-config", default=None, help="EntropicConfig JSON whose pruning section is the default")
     ap.add_argument("--no-retrieval", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one 2k window of each kind, 16 tokens, 2 configs")
     args = ap.parse_args()
     args.shares = [float(x) for x in args.shares.split(",") if x]
+    args.entropy_budget = [float(x) for x in args.entropy_budget.split(",") if x]
     if args.quick:
         args.contexts, args.steps, args.shares = "2000:1", 16, []
     contexts = {int(c.split(":")[0]): int(c.split(":")[1]) for c in args.contexts.split(",")}
@@ -352,7 +386,9 @@ def main() -> None:
     wins = windows(rt.tokenizer, contexts)
     cfgs = configs(args)
     if args.quick:
-        cfgs = {k: cfgs[k] for k in ("quest (default)", "surprisal")}
+        cfgs = {k: cfgs[k] for k in ("default", "surprisal (the paper's)")}
+    if args.configs:
+        cfgs = {k: v for k, v in cfgs.items() if k in args.configs.split(",")}
     log_line(f"{len(wins)} windows x {len(cfgs)} configs, {args.steps} tokens each ({args.dtype})")
     quality = run_suite(rt, cfgs, wins, args.steps, log_line)
     retrieval = None

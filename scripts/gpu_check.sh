@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Triton kernels on a CUDA machine that has torch and triton but no sglang (the `device` tool's
-# machine): their GPU tests at real sizes, then each kernel's time and achieved bandwidth against
-# the device's peak. Usage: bash scripts/gpu_check.sh   (writes logs to $OUT, or /tmp/gpu_check)
+# machine): their GPU tests at real sizes (page scores at 4k-32k context, batch 1-64, 8 KV heads, bf16
+# and fp32; the entropy kernel), then a table of each kernel's time, achieved bandwidth against the
+# device's peak and difference from its torch reference (8k-128k context, batch 1-64). One command,
+# a few minutes. Usage: bash scripts/gpu_check.sh   (writes logs to $OUT, or /tmp/gpu_check)
 # Without pydantic there, carry its wheels in .whl/ (README, Pruning: "GPU check").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,7 @@ print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__
 print(f"peak memory bandwidth: {spec:.0f} GB/s from the memory clock and bus width; "
       f"{copy:.0f} GB/s measured by a device-to-device copy (read + write)")
 PY
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_page_select_kernel.py tests/test_entropy_kernel.py 2>&1 \
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_page_scores_kernel.py tests/test_entropy_kernel.py 2>&1 \
   | tee "$out/tests.log"
-python3 tests/test_page_select_kernel.py --time 2>&1 | tee "$out/timing.txt"
+python3 tests/test_page_scores_kernel.py --time 2>&1 | tee "$out/timing.txt"
 python3 tests/test_entropy_kernel.py --time 2>&1 | tee -a "$out/timing.txt"

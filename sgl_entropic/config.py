@@ -29,6 +29,12 @@ MODES: tuple[str, ...] = ("off", "sampling", "scheduling", "pruning", "full")
 # (the scheduler and detokenizer are spawned, so they inherit the launcher's environment).
 CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
 SERVER_ONLY = frozenset({"every_request"})  # sampling fields a request may not set
+# SGLang server arguments whose KV paths bypass the attention backend, so the page store's key bounds
+# would be stale or zero: pruning refuses them (plus PD disaggregation) until the store is fed there too.
+KV_PATHS_PRUNING_CANNOT_SEE = {
+    "enable_hierarchical_cache": "HiCache loads KV pages back from host memory",
+    "enable_hisparse": "HiSparse offloads KV and runs its own sparse attention",
+}
 
 
 class _Section(BaseModel):
@@ -118,23 +124,24 @@ class SchedulingConfig(_Section):
 class PruningConfig(_Section):
     """Meso loop: decode attends the sink and recent pages plus `keep` selected pages (sgl_entropic.pruning)."""
 
-    selector: Literal["quest", "quest_gated", "surprisal"] = Field(
-        "quest", description="how candidate pages are chosen: query-aware bound, the same re-selected only "
-        "after a surprising token, or the tokens' surprisal (the paper's method)"
-    )
+    selector: Literal["quest", "surprisal"] = Field(
+        "quest", description="how candidate pages are scored: the query-aware key bound (then, with a shortlist, "
+        "exact scores), or the tokens' surprisal (the paper's method, the same pages on every layer)")
     page_size: int = Field(16, ge=1, le=1024, description="tokens per page; the server's KV --page-size")
     sink_blocks: int = Field(1, ge=0, le=1024, description="first pages, always attended")
     recent_blocks: int = Field(2, ge=1, le=1024, description="last pages, always attended")
-    min_keep_ratio: float = Field(0.4, gt=0.0, le=1.0, description="share of candidate pages kept at H = 0")
-    max_keep_ratio: float = Field(0.6, gt=0.0, le=1.0, description="share kept at H >= reference_entropy")
+    min_keep_ratio: float = Field(0.3, gt=0.0, le=1.0, description="share of candidate pages kept at H = 0")
+    max_keep_ratio: float = Field(0.3, gt=0.0, le=1.0, description="share kept at H >= reference_entropy")
+    shortlist_ratio: Optional[float] = Field(
+        0.5, gt=0.0, le=1.0, description="share of candidates the bound shortlists for exact rescoring on their "
+        "keys (>= max_keep_ratio); None: the bound picks the kept pages itself")
+    per_head: bool = Field(False, description="one page list per KV head instead of one per request")
     entropy_floor: float = Field(0.0, ge=0.0, le=20.0, description="below this H (nats) the budget stops shrinking")
     min_context: Optional[int] = Field(
         None, ge=0, le=10_000_000,
         description="shorter contexts attend everything; None: from where pruning pays, measured at start-up")
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
     aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
-    gate_surprisal: float = Field(1.0, ge=0.0, le=100.0, description="quest_gated: re-select after a token this surprising (nats)")
-    gate_max_age: int = Field(4, ge=1, le=10_000, description="quest_gated: re-select at least every N steps")
     reference_entropy: Optional[float] = Field(
         None, gt=0.0, le=20.0, description="H_ref (nats) where the keep ratio reaches max; None: ln(V) / 2 of the model"
     )
@@ -145,6 +152,9 @@ class PruningConfig(_Section):
             raise ValueError(
                 f"min_keep_ratio ({self.min_keep_ratio}) must be <= max_keep_ratio ({self.max_keep_ratio})"
             )
+        if self.shortlist_ratio is not None and self.shortlist_ratio < self.max_keep_ratio:
+            raise ValueError(f"shortlist_ratio ({self.shortlist_ratio}) must be >= max_keep_ratio "
+                             f"({self.max_keep_ratio}): the kept pages come out of the shortlist")
         return self
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Optional
 
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
-from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, EntropicConfig
+from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
 
 
 class Engine(SGLangEngine):
@@ -67,7 +67,13 @@ def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, 
         page_size = kwargs.setdefault("page_size", config.pruning.page_size)  # a pruning page is a KV page
         if page_size != config.pruning.page_size:
             raise ValueError(f"page_size={page_size} differs from pruning.page_size={config.pruning.page_size}")
-        kwargs.setdefault("disable_cuda_graph", True)  # the decode plan changes every step
+        for field, why in KV_PATHS_PRUNING_CANNOT_SEE.items():
+            if kwargs.get(field):
+                raise ValueError(f"entropic={config.mode!r} prunes from page bounds written with the KV; "
+                                 f"{field}=True bypasses them ({why})")
+        if kwargs.get("disaggregation_mode", "null") != "null":
+            raise ValueError(f"entropic={config.mode!r} prunes from page bounds written with the KV; "
+                             f"disaggregation_mode={kwargs['disaggregation_mode']!r} transfers KV without them")
     return kwargs
 
 

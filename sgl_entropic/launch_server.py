@@ -15,7 +15,8 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
+from sgl_entropic.config import (ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, MODES, EntropicConfig,
+                                 format_error, parse_config_arg)
 
 # Applied only when the user did not pass the flag themselves.
 BUNDLED_MODEL_DEFAULTS = {
@@ -125,8 +126,24 @@ def select_attention_backend(rest: list[str], config: EntropicConfig, parser: ar
     elif page_size != str(config.pruning.page_size):
         parser.error(f"--page-size {page_size} differs from pruning.page_size {config.pruning.page_size}; "
                      f"set them equal (--entropic-config '{{\"pruning\": {{\"page_size\": {page_size}}}}}')")
-    # the decode plan changes every step, which CUDA graphs cannot replay (no-op on CPU)
-    return out if _has_flag(out, "--disable-cuda-graph") else out + ["--disable-cuda-graph"]
+    # CUDA graphs stay on: dense decode steps replay SGLang's graphs, pruned ones run eager (README "GPU")
+    return out
+
+
+def refuse_unsafe_kv_paths(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> None:
+    """Pruning with a KV path its page store does not see is an error (exit code 2), not silent staleness."""
+    if not config.pruning_on:
+        return
+    for field, why in KV_PATHS_PRUNING_CANNOT_SEE.items():
+        flag = "--" + field.replace("_", "-")
+        if _has_flag(rest, flag):
+            parser.error(f"--entropic {config.mode} prunes from page bounds written with the KV, and {flag} "
+                         f"bypasses them ({why}); drop {flag} or use --entropic sampling|scheduling")
+    mode = _flag_value(rest, "--disaggregation-mode")
+    if mode not in (None, "null"):
+        parser.error(f"--entropic {config.mode} prunes from page bounds written with the KV, and "
+                     f"--disaggregation-mode {mode} transfers KV between servers without them; "
+                     f"drop one (or use --entropic sampling|scheduling)")
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -171,6 +188,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     check_sglang_version(parser)
     rest, config = map_schedule_policy(rest, config, parser)
     rest = select_attention_backend(rest, config, parser)
+    refuse_unsafe_kv_paths(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()
 

@@ -9,29 +9,31 @@ is a view: nothing is evicted, each step and layer selects again over the whole 
 
 Which candidates (`PruningConfig.selector`)
 -------------------------------------------
-- "quest" (default): per layer, by an upper bound of the query's attention logit on the page.
-  The store keeps, per page and KV head, the element-wise min and max of its keys (written as KV
-  is written); for a query q the largest q.k over the page is at most
-  b = sum_d max(q_d kmax_d, q_d kmin_d) = relu(q).kmax + min(q, 0).kmin (Quest, MLSys 2024).
-  The grouped query heads of a KV head reduce by max (still an upper bound), the KV heads by sum
-  (one page list per request and layer, as FlashInfer's paged decode needs).
-- "quest_gated": "quest", but a request re-selects only when its last sampled token surprised
-  the model (surprisal > `gate_surprisal` nats) or its selection is `gate_max_age` steps old;
-  otherwise every layer reuses its last selection. Surprisal decides WHEN to look again.
+- "quest" (default): per layer, in two stages.
+  1. The bound. The store keeps, per page and KV head, the element-wise min and max of its keys
+     (written as KV is written); for a query q the largest q.k over the page is at most
+     b = sum_d max(q_d kmax_d, q_d kmin_d) = relu(q).kmax + min(q, 0).kmin (Quest, MLSys 2024).
+     The grouped query heads of a KV head reduce by max (still an upper bound); with one page list
+     per request (`per_head` off) the KV heads reduce by sum. The bound shortlists the
+     `shortlist_ratio` share of the candidates with the highest bounds.
+  2. Exact scores. The shortlisted pages' keys give the exact logits; each page's attention mass
+     (softmax per query head over the shortlist, summed over the query heads the list serves)
+     ranks them, and the `keep` heaviest are attended, their logits reused. Without a shortlist
+     (`shortlist_ratio` None) the bound picks the kept pages itself.
 - "surprisal": the paper's method: page score = max surprisal of its tokens, the same pages on
   every layer. Prompt tokens are scored from the model's own logits at prefill (an lm_head pass
   over the prompt), sampled tokens at decode.
 
-Why "quest" is the default, measured (README "Pruning"; teacher-forced along the dense greedy
-path, real essays and source code at 4k and 7k tokens): surprisal-only selection misses the
-pages the current query needs (top-1 agreement ~75 %, KL ~0.5 nats), because a predictable
-token can be exactly what a later query attends to. The bound, with the same budget, keeps KL
-below 0.01 nats. Sharing one page list across heads (sum over KV heads) costs little against
-per-head lists, and max over the query group beats SGLang's group-mean query slightly. Gating
-re-selection by surprisal saves selection work but loses a little quality at equal budget.
+Why two stages, measured (README "Pruning"; teacher-forced along the dense greedy path, real essays
+and source code at 4k and 7k tokens): the bound is an upper bound, loose where a page's keys
+spread, so at a third of the candidates it misses pages the query needs; an oracle that ranks by
+the true attention mass keeps dense quality there. Rescoring the bound's shortlist on its own keys
+comes close to the oracle for the price of reading the shortlist's keys (not its values). The
+surprisal of a token does not tell which pages a later query needs: a predictable token can be
+exactly what a later query attends to.
 
-How many (the entropy budget)
------------------------------
+How many (the budget)
+---------------------
 keep = ceil(rho(H_t) * m) of the m candidates, with H_t the request's latest next-token
 entropy (nats), H_ref > 0 a reference entropy and the config's `min_keep_ratio` r_min,
 `max_keep_ratio` r_max and `entropy_floor` H_floor:
@@ -40,23 +42,23 @@ entropy (nats), H_ref > 0 a reference entropy and the config's `min_keep_ratio` 
 
 A confident model (low H) attends less, an uncertain one more; a NaN entropy (unknown) keeps
 r_max; below H_floor rho stays at rho(H_floor), so an overconfident model cannot collapse the
-budget. H_ref defaults to ln(V) / 2 of the served model. Rows shorter than `min_context` tokens
-are not pruned (None: the crossover measured by the server, `sgl_entropic.crossover`). The counts are fixed per step and the same on every layer, so one FlashInfer plan
-serves all layers and only the page list changes per layer.
+budget. H_ref defaults to ln(V) / 2 of the served model. With r_min = r_max (the default) the
+budget is fixed: measured against it at the same mean share, the entropy-sized budget did not
+do better (README "Pruning"). Rows shorter than `min_context` tokens are not pruned (None: the
+crossover measured by the server, `sgl_entropic.crossover`). The counts are fixed per step and the
+same on every layer, so every layer of a step gathers the same shapes (and one FlashInfer plan
+serves all layers on CUDA).
 
-Layout of a step (`PageLayout`)
--------------------------------
-Row r reads at most K = S + KC + R pages, columns [sink | selected candidates | recent]: sink
-column j is page j (valid if j < sink_r), candidate column j is the j-th selected page in
-ascending order (valid if j < keep_r), recent column j is page n_r - R + j (valid if
-j >= R - recent_r). Valid pages are therefore in ascending page order, the last one being the
-(possibly partial) last page.
+A step's plan (`StepPlan`)
+--------------------------
+Row r attends its fixed pages (the first `sink_blocks` and the last `recent_blocks`, the last one
+possibly partial) and its kept candidates; `attend_layer` gathers them for the whole batch at
+once, padded to the widest row and masked.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -108,7 +110,8 @@ def keep_ratio(entropy: float, cfg: PruningConfig, reference_entropy: float = DE
 
 @dataclass(frozen=True)
 class RowPages:
-    """One row's page counts at a decode step: n = sink + candidates + recent, keep <= candidates."""
+    """One row's page counts at a decode step: n = sink + candidates + recent; of the candidates the
+    bound shortlists `shortlist` (whose keys the exact rescoring reads) and `keep` are attended."""
 
     length: int
     page_size: int
@@ -116,6 +119,7 @@ class RowPages:
     sink: int
     recent: int
     keep: int
+    shortlist: int
 
     @property
     def candidates(self) -> int:
@@ -128,7 +132,7 @@ class RowPages:
 
     @property
     def read_pages(self) -> int:
-        """Pages one decode step reads: sink, kept candidates, recent."""
+        """Pages one decode step attends: sink, kept candidates, recent."""
         return self.sink + self.keep + self.recent
 
     @property
@@ -136,141 +140,145 @@ class RowPages:
         return self.keep < self.candidates
 
     def with_keep(self, keep: int) -> "RowPages":
-        return dataclasses.replace(self, keep=min(keep, self.candidates))
+        keep = min(keep, self.candidates)
+        return dataclasses.replace(self, keep=keep, shortlist=max(keep, min(self.shortlist, self.candidates)))
 
 
 def row_pages(length: int, entropy: float, cfg: PruningConfig,
               reference_entropy: float = DEFAULT_REFERENCE_ENTROPY) -> RowPages:
-    """The page counts of one row: guards first, then keep = ceil(rho(H) * candidates)."""
+    """The page counts of one row: guards first, then keep = ceil(rho(H) * candidates), and a shortlist
+    of ceil(shortlist_ratio * candidates) (at least keep) when the exact rescoring is on."""
     n = num_pages(length, cfg.page_size)
     recent = min(cfg.recent_blocks, n)
     sink = min(cfg.sink_blocks, n - recent)
     m = n - sink - recent
-    keep = m if length < (cfg.min_context or 0) else min(m, math.ceil(keep_ratio(entropy, cfg, reference_entropy) * m))
-    return RowPages(length, cfg.page_size, n, sink, recent, keep)
+    if length < (cfg.min_context or 0):
+        return RowPages(length, cfg.page_size, n, sink, recent, m, m)
+    keep = min(m, math.ceil(keep_ratio(entropy, cfg, reference_entropy) * m))
+    shortlist = keep if cfg.shortlist_ratio is None else max(keep, min(m, math.ceil(cfg.shortlist_ratio * m)))
+    return RowPages(length, cfg.page_size, n, sink, recent, keep, shortlist)
 
 
-# ---------------------------------------------------------------------------- a step's layout
+def all_pages(length: int, page_size: int) -> RowPages:
+    """A row that attends every page (the dense kernel): all of them fixed, no candidates."""
+    n = num_pages(length, page_size)
+    return RowPages(length, page_size, n, n, 0, 0, 0)
+
+
+# ---------------------------------------------------------------------------- a step's plan
 
 
 @dataclass
-class PageLayout:
-    """The pages a decode batch may attend, and the fixed [sink | selected | recent] columns (module doc).
+class StepPlan:
+    """What every layer of one decode step needs, built once per step from host counts ("prepare").
 
-    Built once per decode step; every layer of the step fills the selected columns (`select`)
-    and reads the same counts.
+    Fixed pages (sink, then recent) are gathered whole; candidate pages go through the selection:
+    the bound picks `shortlist` per row (and per KV head with `per_head`), exact scores on the
+    shortlist's keys keep `keep` (or the bound keeps `keep` directly when shortlist == keep).
+    `chosen` (logical pages `[B, 1, K]`) replaces the per-layer selection when the pages are fixed for
+    the step (the surprisal selector). All tensors live on the page table's device.
     """
 
     rows: list[RowPages]
     page_size: int
-    page_table: torch.Tensor  # [B, NP] int64: physical page of each logical page (padding: page 0)
-    lengths: torch.Tensor  # [B] int64, on the page table's device
-    sink_cols: int
-    keep_cols: int
-    recent_cols: int
-    candidate_mask: torch.Tensor  # [B, NP] bool
-    fixed_logical: torch.Tensor  # [B, S + R] int64: the sink then the recent columns' pages
-    fixed_valid: torch.Tensor  # [B, S + R] bool
-    keep_valid: torch.Tensor  # [B, KC] bool: j < keep_r
+    page_table: torch.Tensor  # [B, W] int64: physical page of each logical page (padding: page 0)
+    fixed_pages: torch.Tensor  # [B, F] int64 physical: the sink then the recent pages (padding: page 0)
+    fixed_tokens: torch.Tensor  # [B, F, page_size] bool: the real tokens of the fixed pages
+    candidate: torch.Tensor  # [B, W] bool
+    shortlist_valid: torch.Tensor  # [B, S] bool: j < shortlist_r
+    keep_valid: torch.Tensor  # [B, K] bool: j < keep_r
+    per_head: bool = False
+    chosen: Optional[torch.Tensor] = None
+    # Row groups (start, end, plan of those rows) that `attend_layer` runs one after the other, so that
+    # one group's gathered pages stay in the CPU's caches; empty: the whole batch at once
+    parts: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def build(cls, rows: Sequence[RowPages], page_table: torch.Tensor) -> "PageLayout":
+    def build(cls, rows: Sequence[RowPages], page_table: torch.Tensor, per_head: bool = False,
+              group_tokens: Optional[int] = None) -> "StepPlan":
+        """The plan of `rows` (page_table `[B, W]`); with `group_tokens`, also the plans of row groups of
+        at most that many tokens gathered (each row's attended tokens plus its shortlist's keys)."""
+        plan = cls._build(rows, page_table, per_head)
+        if group_tokens is not None and len(rows) > 1:
+            bounds, start, load = [], 0, 0
+            for i, r in enumerate(rows):
+                weight = r.kept_tokens + r.shortlist * r.page_size
+                if i > start and load + weight > group_tokens:
+                    bounds.append((start, i))
+                    start, load = i, 0
+                load += weight
+            bounds.append((start, len(rows)))
+            if len(bounds) > 1:
+                plan.parts = [(a, b, cls._build(rows[a:b], page_table[a:b, : max(r.n for r in rows[a:b])], per_head))
+                              for a, b in bounds]
+        return plan
+
+    @classmethod
+    def _build(cls, rows: Sequence[RowPages], page_table: torch.Tensor, per_head: bool) -> "StepPlan":
         device = page_table.device
         batch, width = page_table.shape
-        page_size = rows[0].page_size if rows else 1
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        n, sink, recent, keep = (t([getattr(r, f) for r in rows]) for f in ("n", "sink", "recent", "keep"))
-        s_cols = max((r.sink for r in rows), default=0)
-        r_cols = max((r.recent for r in rows), default=0)
-        k_cols = max((r.keep for r in rows), default=0)
+        p = rows[0].page_size if rows else 1
+        f_cols = max((r.sink + r.recent for r in rows), default=0)
+        fixed, tokens = [], []
+        for r in rows:
+            logical = list(range(r.sink)) + list(range(r.n - r.recent, r.n))
+            fixed.append(logical + [0] * (f_cols - len(logical)))
+            last = r.length - (r.n - 1) * p  # real tokens of the last page
+            tokens.append([p] * (len(logical) - 1) + [last] + [0] * (f_cols - len(logical)) if logical else [0] * f_cols)
+        fixed_logical = to_device(fixed, device) if f_cols else torch.zeros(batch, 0, dtype=torch.long, device=device)
+        counts = to_device(tokens, device) if f_cols else torch.zeros(batch, 0, dtype=torch.long, device=device)
+        fixed_tokens = torch.arange(p, device=device) < counts[..., None]
+        sink, n, recent = (to_device([getattr(r, f) for r in rows], device) for f in ("sink", "n", "recent"))
         j = torch.arange(width, device=device)[None, :]
         candidate = (j >= sink[:, None]) & (j < (n - recent)[:, None])
-        js, jr = torch.arange(s_cols, device=device)[None, :], torch.arange(r_cols, device=device)[None, :]
-        recent_logical = n[:, None] - r_cols + jr
-        fixed_logical = torch.cat([js.expand(batch, -1), recent_logical.clamp_min(0)], dim=1)
-        fixed_valid = torch.cat([js < sink[:, None], jr >= (r_cols - recent)[:, None]], dim=1)
-        keep_valid = torch.arange(k_cols, device=device)[None, :] < keep[:, None]
-        return cls(list(rows), page_size, page_table, t([r.length for r in rows]), s_cols, k_cols, r_cols,
-                   candidate, fixed_logical, fixed_valid, keep_valid)
+        s_cols = max((r.shortlist for r in rows), default=0)
+        k_cols = max((r.keep for r in rows), default=0)
+        shortlist = to_device([r.shortlist for r in rows], device)
+        keep = to_device([r.keep for r in rows], device)
+        return cls(list(rows), p, page_table, page_table.gather(1, fixed_logical), fixed_tokens, candidate,
+                   torch.arange(s_cols, device=device)[None, :] < shortlist[:, None],
+                   torch.arange(k_cols, device=device)[None, :] < keep[:, None], per_head)
+
+    @property
+    def two_stage(self) -> bool:
+        return self.shortlist_valid.shape[1] > self.keep_valid.shape[1]
 
     def attended_fractions(self, sparse_layer_share: float) -> list[float]:
-        """Per row, the share of its context one decode step reads, averaged over layers: the sparse
-        layers read the kept pages, the others (dense_layers) everything."""
+        """Per row, the share of its context one decode step attends, averaged over layers: the sparse
+        layers attend the kept pages, the others (dense_layers) everything."""
         return [1.0 - sparse_layer_share * (1.0 - r.kept_tokens / r.length) if r.length else 1.0 for r in self.rows]
 
-    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logical pages [B, K], valid [B, K]) keeping each row's `keep` best-scored candidates.
+    def read_fractions(self, sparse_layer_share: float) -> list[float]:
+        """Per row, what one decode step reads of its context's KV (and computes of its attention FLOPs),
+        as a share of dense: the attended tokens' keys and values, plus the keys the exact rescoring
+        reads of the shortlisted pages it does not keep (half a token's K and V each)."""
+        return [1.0 - sparse_layer_share * (1.0 - (r.kept_tokens + 0.5 * (r.shortlist - r.keep) * r.page_size)
+                                            / r.length) if r.length else 1.0 for r in self.rows]
 
-        Canonical: higher score first, the lower page among equal scores; the selected pages
-        are listed in ascending order. NaN scores count as +inf (an unknown page is kept).
-        """
-        s = scores.float()
-        s = torch.where(torch.isnan(s), _INF, s).masked_fill(~self.candidate_mask, -_INF)
-        best = torch.sort(s, dim=1, descending=True, stable=True).indices[:, : self.keep_cols]
-        width = self.page_table.shape[1]
-        chosen = torch.where(self.keep_valid, best, width).sort(dim=1).values  # invalid ones last
-        chosen = torch.where(self.keep_valid, chosen, 0)
-        return self.assemble(chosen)
 
-    def assemble(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full [sink | chosen | recent] columns around selected candidates `chosen` [B, KC]."""
-        logical = torch.cat([self.fixed_logical[:, : self.sink_cols], chosen, self.fixed_logical[:, self.sink_cols:]], 1)
-        valid = torch.cat([self.fixed_valid[:, : self.sink_cols], self.keep_valid,
-                           self.fixed_valid[:, self.sink_cols:]], 1)
-        return logical, valid
-
-    @functools.cached_property
-    def compact_cells(self) -> torch.Tensor:
-        """Host int64: flat positions in the [B, K] layout of each row's valid cells, row by row, in
-        page order (the compact list a paged-attention kernel reads; the row's last page comes last)."""
-        width = self.sink_cols + self.keep_cols + self.recent_cols
-        cells: list[int] = []
-        for r, row in enumerate(self.rows):
-            base = r * width
-            cells += range(base, base + row.sink)
-            cells += range(base + self.sink_cols, base + self.sink_cols + row.keep)
-            cells += range(base + width - row.recent, base + width)
-        return torch.tensor(cells, dtype=torch.long)
-
-    @functools.cached_property
-    def compact_tokens(self) -> torch.Tensor:
-        """Host int64: among the compact pages expanded to page_size slots each, the positions of the
-        real tokens (all of every page but the last, which holds length - (n - 1) * page_size)."""
-        keep: list[int] = []
-        start = 0
-        for row in self.rows:
-            count, p = row.read_pages, row.page_size
-            keep += range(start, start + (count - 1) * p + row.length - (row.n - 1) * p)
-            start += count * p
-        return torch.tensor(keep, dtype=torch.long)
-
-    def physical(self, logical: torch.Tensor) -> torch.Tensor:
-        return self.page_table.gather(1, logical)
-
-    def kept_pages(self, logical: torch.Tensor) -> list[torch.Tensor]:
-        """Each row's kept physical pages in page order (its partial last page last)."""
-        compact = self.physical(logical).flatten()[self.compact_cells.to(logical.device)]
-        return list(torch.split(compact, [r.read_pages for r in self.rows]))
+def to_device(values: list, device, dtype=torch.long) -> torch.Tensor:
+    """A host list on `device` without blocking: through pinned memory when the device is a GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------- page scores
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """The "quest" page score `[B, NP]` float32 (module doc): per KV head the max over its query
-    group of the bound relu(q).kmax + min(q, 0).kmin, summed over the KV heads.
+    """The bound summed over KV heads `[B, NP]` float32 (module doc): per KV head the max over its query
+    group of relu(q).kmax + min(q, 0).kmin, summed over the KV heads.
 
     q `[B, H_q, D]`; kmin, kmax `[B, NP, H_kv, D]` (each row's pages gathered); query head h reads
     KV head h // (H_q / H_kv).
     """
-    batch, heads_q, dim = q.shape
+    heads_q, dim = q.shape[1:]
     heads_kv = kmin.shape[2]
     if heads_q % heads_kv or kmin.shape != kmax.shape or kmin.shape[3] != dim:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}")
-    qg = q.float().view(batch, heads_kv, heads_q // heads_kv, dim)
-    to_cols = lambda k: k.float().permute(0, 2, 3, 1)  # noqa: E731  [B, H_kv, D, NP]
-    bound = qg.clamp(min=0) @ to_cols(kmax) + qg.clamp(max=0) @ to_cols(kmin)  # [B, H_kv, G, NP]
-    return bound.amax(dim=2).sum(dim=1)
+    return quest_bounds(q, kmin, kmax, per_head=False)[:, 0]
 
 
 def _check_aggregate(aggregate: str) -> None:
@@ -309,29 +317,109 @@ def surprisal_scores(surprisal: torch.Tensor, lengths: torch.Tensor, page_size: 
 # ---------------------------------------------------------------------------- attention over pages
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: Sequence[torch.Tensor],
-                           kept_tokens: Sequence[int], page_size: int, scale: float) -> torch.Tensor:
-    """One decode query per row over its kept pages: q `[B, H_q, D]`, caches `[slots, H_kv, D]`
-    (slot = page * page_size + offset), pages[r] the row's physical pages in page order (its
-    partial last page last), kept_tokens[r] their real tokens -> `[B, H_q, D_v]` in q's dtype.
+def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """`[B, L, NP]` float32: the bound per KV head (L = H_kv) or summed over them (L = 1); see quest_scores."""
+    batch, heads_q, dim = q.shape
+    heads_kv = kmin.shape[2]
+    qg = q.float().view(batch, heads_kv, heads_q // heads_kv, dim)
+    to_cols = lambda k: k.float().permute(0, 2, 3, 1)  # noqa: E731  [B, H_kv, D, NP]
+    bound = (qg.clamp(min=0) @ to_cols(kmax) + qg.clamp(max=0) @ to_cols(kmin)).amax(dim=2)  # [B, H_kv, NP]
+    return bound if per_head else bound.sum(dim=1, keepdim=True)
 
-    Row by row in plain float32 matmuls: for one query row this is about ten times faster on
-    CPU than torch's scaled_dot_product_attention (whose fused kernels target blocks of queries),
-    needs no padding mask, and is at least as accurate as a bf16 kernel. GQA: query head h reads
-    KV head h // (H_q / H_kv).
+
+def gather_pages(cache_pages: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
+    """`[B, H_kv, X, P, D]` from pages `[pages, P, H_kv, D]`: physical `[B, 1, X]` (every KV head reads the
+    same pages) or `[B, H_kv, X]` (each head its own)."""
+    if physical.shape[1] == 1:
+        return cache_pages[physical[:, 0]].permute(0, 3, 1, 2, 4)
+    heads = torch.arange(physical.shape[1], device=physical.device)[None, :, None]
+    return cache_pages[physical, :, heads]
+
+
+def attend_layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+                 kmin: Optional[torch.Tensor], kmax: Optional[torch.Tensor], scale: float
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`attend_rows` over the whole batch, or over the plan's row groups one after the other."""
+    if not plan.parts:
+        return attend_rows(q, k_cache, v_cache, plan, kmin, kmax, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    kept = []
+    for start, end, part in plan.parts:
+        if plan.chosen is not None:
+            part.chosen = plan.chosen[start:end, :, : part.keep_valid.shape[1]]
+        out[start:end], part_kept = attend_rows(q[start:end], k_cache, v_cache, part, kmin, kmax, scale)
+        kept.append(part_kept)
+    present = [k for k in kept if k is not None]
+    if not present:
+        return out, None
+    lists, width = present[0].shape[1], max(k.shape[2] for k in present)
+    padded = [torch.nn.functional.pad(k, (0, width - k.shape[2])) if k is not None else
+              torch.zeros(end - start, lists, width, dtype=torch.long, device=q.device)
+              for k, (start, end, _) in zip(kept, plan.parts)]
+    return out, torch.cat(padded)  # [B, L, K]: row b's first keep_b columns are its kept pages
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
+                kmin: Optional[torch.Tensor], kmax: Optional[torch.Tensor], scale: float
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One decode query per row over its fixed pages and its selected candidates, in one batched pass:
+    q `[B, H_q, D]`, caches `[slots, H_kv, D]` (slot = page * page_size + offset), kmin/kmax the layer's
+    page store `[pages, H_kv, D]` -> (`[B, H_q, D_v]` in q's dtype, the kept logical pages `[B, L, K]` or
+    None).
+
+    Selection (module doc): the bound ranks the candidates; with a shortlist longer than `keep`, the
+    exact logits of the shortlisted pages' keys rank them again by their attention mass (softmax per
+    query head over the shortlist, summed over the query heads a list serves), and the kept pages'
+    logits are reused for the attention. Logits and softmax in float32; GQA: query head h reads KV head
+    h // (H_q / H_kv). Rows are padded to the batch's widest row and masked.
     """
     batch, heads_q, dim = q.shape
     heads_kv = k_cache.shape[1]
-    k_pages = k_cache.view(-1, page_size, heads_kv, dim)
-    v_pages = v_cache.view(-1, page_size, heads_kv, v_cache.shape[-1])
-    out = q.new_empty(batch, heads_q, v_cache.shape[-1])
-    for r in range(batch):
-        n = kept_tokens[r]
-        k = k_pages[pages[r]].flatten(0, 1)[:n].float()  # [T, H_kv, D]
-        v = v_pages[pages[r]].flatten(0, 1)[:n].float()
-        logits = (q[r].float().view(heads_kv, -1, dim) @ k.permute(1, 2, 0)) * scale  # [H_kv, G, T]
-        out[r] = (torch.softmax(logits, dim=-1) @ v.transpose(0, 1)).reshape(heads_q, -1)
-    return out
+    group = heads_q // heads_kv
+    p = plan.page_size
+    k_pages = k_cache.view(-1, p, heads_kv, dim)
+    v_pages = v_cache.view(-1, p, heads_kv, v_cache.shape[-1])
+    qg = q.float().view(batch, heads_kv, group, dim)
+
+    def logits_of(keys: torch.Tensor) -> torch.Tensor:  # [B, H_kv, X, P, D] -> [B, H_kv, G, X, P]
+        x = keys.shape[2]
+        return (qg @ keys.float().flatten(2, 3).transpose(-1, -2)).view(batch, heads_kv, group, x, p) * scale
+
+    fixed = plan.fixed_pages[:, None]
+    parts_logits = [logits_of(gather_pages(k_pages, fixed)).masked_fill(~plan.fixed_tokens[:, None, None], -_INF)]
+    parts_values = [gather_pages(v_pages, fixed)]
+    kept = None
+    if plan.keep_valid.shape[1]:
+        keep_mask = plan.keep_valid[:, None, None, :, None]
+        if plan.chosen is not None:
+            kept = plan.chosen
+            kept_logits = logits_of(gather_pages(k_pages, plan.page_table.gather(1, kept[:, 0])[:, None]))
+        else:
+            bound = quest_bounds(q, kmin[plan.page_table], kmax[plan.page_table], plan.per_head)
+            bound = bound.masked_fill(~plan.candidate[:, None], -_INF)
+            if plan.two_stage:
+                short = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices  # [B, L, S] logical
+                phys = plan.page_table.gather(1, short.flatten(1)).view_as(short)
+                short_logits = logits_of(gather_pages(k_pages, phys))
+                short_logits = short_logits.masked_fill(~plan.shortlist_valid[:, None, None, :, None], -_INF)
+                # each query head's softmax mass per shortlisted page, summed over the heads a list serves
+                mass = torch.softmax(short_logits.flatten(-2), dim=-1).view_as(short_logits).sum(dim=-1)
+                mass = mass.sum(dim=2) if plan.per_head else mass.sum(dim=(1, 2))[:, None]
+                pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(plan.keep_valid.shape[1], dim=-1).indices
+                kept = short.gather(-1, pick)
+                pick_heads = pick if plan.per_head else pick.expand(-1, heads_kv, -1)
+                index = pick_heads[:, :, None, :, None].expand(-1, -1, group, -1, p)
+                kept_logits = short_logits.gather(3, index)
+            else:
+                kept = bound.topk(plan.keep_valid.shape[1], dim=-1).indices
+                kept_logits = logits_of(gather_pages(k_pages, plan.page_table.gather(1, kept.flatten(1)).view_as(kept)))
+        kept_phys = plan.page_table.gather(1, kept.flatten(1)).view_as(kept)
+        parts_logits.append(kept_logits.masked_fill(~keep_mask, -_INF))
+        parts_values.append(gather_pages(v_pages, kept_phys))
+    logits = torch.cat([x.flatten(-2) for x in parts_logits], dim=-1)  # [B, H_kv, G, T]
+    values = torch.cat([v.flatten(2, 3) for v in parts_values], dim=2).float()  # [B, H_kv, T, D_v]
+    out = torch.softmax(logits, dim=-1) @ values
+    return out.reshape(batch, heads_q, -1).to(q.dtype), kept
 
 
 def sparse_decode_attention(

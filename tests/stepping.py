@@ -41,13 +41,15 @@ class Stepper:
         step = self.begin(reqs, logits, temps, top_ks, produces)
         if tokens is None:  # a stand-in for the sampler: the argmax of what it was given
             tokens = torch.nan_to_num(logits, nan=0.0).argmax(dim=-1)
-        step.record(logits.clone(), tokens, self.rt, [32] * len(reqs))
+        _, pending = step.record(logits.clone(), tokens, [32] * len(reqs))
+        pending.finish(self.rt)
         return logits, tokens
 
 
 class HostReads(torch.overrides.TorchFunctionMode):
     """Records the tensor calls that would wait for a GPU (device -> host reads), except on `host`
-    tensors (those SGLang already keeps on the host, such as seq_lens_cpu)."""
+    tensors (those SGLang already keeps on the host, such as seq_lens_cpu), and the non-blocking
+    copies (`transfers`: what a step hands to the host, or the device, without waiting)."""
 
     READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
              torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero,
@@ -58,8 +60,12 @@ class HostReads(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.host = [id(t) for t in host]
         self.reads: list[str] = []
+        self.transfers: list[tuple] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in self.READS and not (args and id(args[0]) in self.host):
             self.reads.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.copy_, torch.Tensor.to) and kwargs.get("non_blocking"):
+            self.transfers.append(tuple(args[0].shape))
+        return func(*args, **kwargs)

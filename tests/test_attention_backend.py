@@ -47,15 +47,21 @@ def _layer(layer_id):
                            sliding_window_size=-1)
 
 
-def _setup(cfg, context_lens, entropies=None, seed=0):
+def _stub_runner(gen=None, tp_size=1):
+    pool = _KVPool(gen or torch.Generator().manual_seed(0))
+    pool.size = POOL_PAGES * P
+    return SimpleNamespace(
+        device="cpu", page_size=P, server_args=SimpleNamespace(tp_size=tp_size), token_to_kv_pool=pool,
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
+        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q * tp_size,
+                                     context_len=MAX_CONTEXT),
+    )
+
+
+def _setup(cfg, context_lens, entropies=None, seed=0, tp_size=1):
     """Requests on scattered physical pages (a fragmented pool), their prompts' keys in the store."""
     gen = torch.Generator().manual_seed(seed)
-    runner = SimpleNamespace(
-        device="cpu", page_size=cfg.page_size,
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
-        token_to_kv_pool=_KVPool(gen),
-        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS),
-    )
+    runner = _stub_runner(gen, tp_size)
     backend = EntropicTorchNativeAttnBackend(runner, cfg)
     table = runner.req_to_token_pool.req_to_token
     pages = torch.randperm(POOL_PAGES, generator=gen)
@@ -72,7 +78,7 @@ def _setup(cfg, context_lens, entropies=None, seed=0):
             backend.planner.store.write_keys(layer, locs[half:], runner.token_to_kv_pool.k[layer][locs[half:]])
     lens = torch.tensor(context_lens)
     idx = torch.tensor(req_slots)
-    states = [SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i, last_surprisal=0.0)
+    states = [SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i)
               for i, h in enumerate(entropies or [1.0] * len(context_lens))]
     batch = SimpleNamespace(
         forward_mode=ForwardMode.DECODE, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens,
@@ -130,35 +136,79 @@ def test_a_page_reused_by_another_request_restarts_its_min_max():
     assert store.kmin[0][1].tolist() == [[1.0, -3.0]] and store.kmax[0][1].tolist() == [[2.0, -1.0]]
 
 
-def test_sparse_decode_attends_exactly_the_best_bounded_pages():
+def _expected(q_row, keys, values, counts, cfg, group_heads):
+    """The row's output by hand: the bound ranks candidates (plain min/max per page), the shortlist is
+    reranked by exact attention mass on its keys, attention over fixed + kept pages' tokens.
+    group_heads: the KV heads one page list serves (all of them, or one with per_head)."""
+    n = keys.shape[0]
+    group = HEADS_Q // HEADS_KV
+    candidates = list(range(counts.sink, counts.n - counts.recent))
+    fixed = list(range(counts.sink)) + list(range(counts.n - counts.recent, counts.n))
+    qh = q_row.view(HEADS_KV, group, DIM)
+
+    def bound(page):
+        k = keys[page * P : (page + 1) * P]
+        kmin, kmax = k.amin(dim=0), k.amax(dim=0)
+        return sum(float(torch.maximum(qh[h] * kmax[h], qh[h] * kmin[h]).sum(-1).max()) for h in group_heads)
+
+    short = sorted(candidates, key=lambda j: -bound(j))[: counts.shortlist]
+    if counts.shortlist > counts.keep:
+        tokens = torch.tensor([t for j in short for t in range(j * P, (j + 1) * P)])
+        mass = {j: 0.0 for j in short}
+        for h in group_heads:
+            probs = torch.softmax(qh[h] @ keys[tokens, h].T * (DIM ** -0.5), dim=-1)  # [group, tokens]
+            for i, j in enumerate(short):
+                mass[j] += float(probs[:, i * P : (i + 1) * P].sum())
+        short = sorted(short, key=lambda j: -mass[j])
+    kept = fixed + short[: counts.keep]
+    positions = torch.tensor(sorted(t for j in kept for t in range(j * P, min(n, (j + 1) * P))))
+    out = sparse_decode_attention(q_row.view(HEADS_Q, DIM), keys, values, positions)
+    heads = [h * group + g for h in group_heads for g in range(group)]
+    return out[heads], heads
+
+
+@pytest.mark.parametrize("shortlist, per_head", [(0.5, False), (None, False), (0.5, True), (None, True)])
+def test_sparse_decode_attends_exactly_the_pages_its_selection_names(shortlist, per_head):
+    cfg = CFG.model_copy(update={"shortlist_ratio": shortlist, "per_head": per_head})
     context_lens = [700, 300, 1000, 129]
-    runner, backend, batch, q, states = _setup(CFG, context_lens)
-    out = _decode(backend, batch, q, layer_id=1)
+    runner, backend, batch, q, states = _setup(cfg, context_lens)
+    out = _decode(backend, batch, q, layer_id=1).view(len(context_lens), HEADS_Q, DIM)
     table = runner.req_to_token_pool.req_to_token
     for r, n in enumerate(context_lens):
         slots = table[r + 1, :n].long()
-        keys = runner.token_to_kv_pool.k[1][slots]
-        counts = row_pages(n, 1.0, CFG, backend.planner.reference_entropy)
-        candidates = list(range(counts.sink, counts.n - counts.recent))
-        bounds = {p: _true_bound(q[r].view(HEADS_Q, DIM), keys[p * P : (p + 1) * P]) for p in candidates}
-        best = sorted(candidates, key=lambda p: (-bounds[p], p))[: counts.keep]
-        kept = list(range(counts.sink)) + sorted(best) + list(range(counts.n - counts.recent, counts.n))
-        positions = torch.tensor([t for p in kept for t in range(p * P, min(n, (p + 1) * P))])
-        assert counts.prunes
-        want = sparse_decode_attention(q[r].view(HEADS_Q, DIM), keys, runner.token_to_kv_pool.v[1][slots], positions)
-        torch.testing.assert_close(out[r].view(HEADS_Q, DIM), want, rtol=1e-5, atol=1e-5)
-    fractions = batch.rows.attended
-    assert fractions == pytest.approx([row_pages(n, 1.0, CFG).kept_tokens / n for n in context_lens])
+        keys, values = runner.token_to_kv_pool.k[1][slots], runner.token_to_kv_pool.v[1][slots]
+        counts = row_pages(n, 1.0, cfg, backend.planner.reference_entropy)
+        assert counts.prunes and counts.shortlist == (counts.keep if shortlist is None else math.ceil(0.5 * counts.candidates))
+        for group_heads in ([[h] for h in range(HEADS_KV)] if per_head else [list(range(HEADS_KV))]):
+            want, heads = _expected(q[r], keys, values, counts, cfg, group_heads)
+            torch.testing.assert_close(out[r, heads], want, rtol=1e-5, atol=1e-5)
+    assert batch.rows.attended == pytest.approx([row_pages(n, 1.0, cfg).kept_tokens / n for n in context_lens])
 
 
-def test_a_step_that_prunes_nothing_is_stock_torch_native():
-    everything = CFG.model_copy(update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "min_context": 0})
+def test_without_the_dense_kernel_a_step_that_prunes_nothing_is_stock_torch_native():
+    everything = CFG.model_copy(update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0,
+                                        "min_context": 0})
     runner, backend, batch, q, _ = _setup(everything, [700, 300, 1000])
+    backend.probe.dense_kernel_from = None
     out = _decode(backend, batch, q, layer_id=2)
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
     assert torch.equal(out, stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False))
-    assert backend.step is None and batch.rows.attended is None
+    assert backend.plan is None and batch.rows.attended is None
+
+
+def test_the_dense_kernel_attends_every_page_as_sglang_does():
+    """Where the probe timed it faster, a step that prunes nothing runs our batched kernel over every
+    page: the same attention as SGLang's per-request loop, to float32 rounding."""
+    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300, 1000])
+    backend.probe.dense_kernel_from = 500  # rows of 700 and 1000 tokens: the batch's longest decides
+    out = _decode(backend, batch, q, layer_id=2)
+    assert backend.plan is not None and not backend.plan.keep_valid.shape[1]  # every page fixed, none selected
+    stock = TorchNativeAttnBackend(runner)
+    stock.init_forward_metadata(batch)
+    want = stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert batch.rows.attended is None  # every token read: the trace's default 1.0
 
 
 def test_rows_below_min_context_keep_every_page_in_a_pruned_step():
@@ -168,7 +218,7 @@ def test_rows_below_min_context_keep_every_page_in_a_pruned_step():
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
     dense = stock.forward_decode(q, None, None, _layer(0), batch, save_kv_cache=False)
-    assert backend.step is not None
+    assert backend.plan is not None and backend.plan.keep_valid.shape[1]
     torch.testing.assert_close(out[1], dense[1], rtol=1e-5, atol=1e-5)  # the short row: all of its pages
     assert not torch.allclose(out[0], dense[0])
 
@@ -178,37 +228,18 @@ def test_dense_layers_attend_everything():
     runner, backend, batch, q, _ = _setup(cfg, [700, 900])
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    assert torch.equal(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, _layer(0), batch, False))
+    torch.testing.assert_close(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, _layer(0), batch, False),
+                               rtol=1e-5, atol=1e-5)
     assert not torch.allclose(_decode(backend, batch, q, 1), stock.forward_decode(q, None, None, _layer(1), batch, False))
     assert all(f > 0.3 for f in batch.rows.attended)
 
 
 def test_the_entropy_sets_the_budget():
-    cfg = CFG.model_copy(update={"min_keep_ratio": 0.2, "max_keep_ratio": 0.8})
+    cfg = CFG.model_copy(update={"min_keep_ratio": 0.2, "max_keep_ratio": 0.8, "shortlist_ratio": 0.9})
     _, backend, batch, q, _ = _setup(cfg, [1000, 1000], entropies=[0.0, 20.0])
     _decode(backend, batch, q, 1)
-    confident, uncertain = backend.step.layout.rows
+    confident, uncertain = backend.plan.rows
     assert confident.keep == math.ceil(0.2 * confident.candidates) and uncertain.keep == uncertain.candidates * 8 // 10
-
-
-def test_quest_gated_reuses_its_selection_until_a_surprise_or_the_age_limit():
-    cfg = CFG.model_copy(update={"selector": "quest_gated", "gate_surprisal": 1.0, "gate_max_age": 3})
-    runner, backend, batch, q, states = _setup(cfg, [1000])
-    first = _decode(backend, batch, q, 1)
-    other_q = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
-    assert torch.equal(_decode(backend, batch, q, 1), first) and backend.step.reuse  # same query, reused pages
-    reused = backend.planner.pages(backend.step, 1, other_q.view(1, HEADS_Q, DIM))
-    states[0].last_surprisal = 4.0  # a surprising token: look again
-    backend.init_forward_metadata(batch)
-    assert not backend.step.reuse
-    fresh = backend.planner.pages(backend.step, 1, other_q.view(1, HEADS_Q, DIM))
-    assert not torch.equal(reused[0], fresh[0])
-    states[0].last_surprisal = 0.0
-    ages = []
-    for _ in range(4):
-        backend.init_forward_metadata(batch)
-        ages.append(backend.step.reuse)
-    assert ages == [True, True, False, True]  # at most gate_max_age - 1 reuses in a row
 
 
 def test_surprisal_selector_keeps_unscored_pages():
@@ -220,8 +251,7 @@ def test_surprisal_selector_keeps_unscored_pages():
     store.slot_surprisal[slots[400:416]] = math.nan  # never scored (a chunk edge): always kept
     store.slot_surprisal[slots[160:176]] = 9.0  # one informative page
     backend.init_forward_metadata(batch)
-    logical, valid = backend.step.fixed
-    kept = set(logical[0][valid[0]].tolist())
+    kept = set(backend.plan.chosen[0, 0].tolist())
     assert {25, 10} <= kept  # pages 400 / 16 and 160 / 16
 
 
@@ -251,19 +281,19 @@ def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
     assert torch.isnan(store.slot_surprisal[untouched]).all()
 
 
-@pytest.mark.parametrize("selector", ["quest", "quest_gated", "surprisal"])
-def test_a_pruned_step_does_not_read_the_device(selector):
+@pytest.mark.parametrize("update", [{}, {"shortlist_ratio": None}, {"per_head": True}, {"selector": "surprisal"}])
+def test_a_pruned_step_does_not_read_the_device(update):
     """Planning and every layer's selection and attention stay on the device: the only host values
     used are SGLang's own host copies (seq_lens_cpu) and the entropies the sampling step fetched."""
     from tests.stepping import HostReads
 
-    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"selector": selector}), [700, 300, 1000, 129])
+    runner, backend, batch, q, _ = _setup(CFG.model_copy(update=update), [700, 300, 1000, 129])
     with HostReads(host=[batch.seq_lens_cpu]) as mode:
         for step in range(2):
             backend.init_forward_metadata(batch)
             for layer in range(LAYERS):
                 backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
-    assert backend.step is not None and mode.reads == [], mode.reads
+    assert backend.plan is not None and mode.reads == [], mode.reads
 
 
 def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
@@ -276,31 +306,45 @@ def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
     backend.init_forward_metadata(batch)
     for layer in range(LAYERS):
         backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
-    assert backend.step is None and (store.kmax[:, pages] < 50.0).all()
+    assert backend.plan is None and (store.kmax[:, pages] < 50.0).all()
     backend.planner.cfg = CFG  # from here on the batch prunes
     backend.init_forward_metadata(batch)
-    assert backend.step is not None and (store.kmax[:, pages] == 50.0).all()
+    assert backend.plan is not None and (store.kmax[:, pages] == 50.0).all()
 
 
-def test_without_min_context_the_backend_prunes_from_where_it_timed_sparse_to_pay():
-    """min_context unset: the backend times dense (SGLang's loop) and sparse decode at start-up and
-    prunes from the shortest timed context past which sparse wins by 10 % at every longer one."""
-    gen = torch.Generator().manual_seed(0)
-    pool = _KVPool(gen)
-    pool.size = POOL_PAGES * P
-    runner = SimpleNamespace(
-        device="cpu", page_size=P, server_args=SimpleNamespace(tp_size=1), token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
-        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q,
-                                     context_len=MAX_CONTEXT),
-    )
-    backend = EntropicTorchNativeAttnBackend(runner, CFG.model_copy(update={"min_context": None}))
-    timings = backend.timings
-    assert [t.context for t in timings] == [256, 512, 1024, 1536, 2048]  # the grid, capped at the context
-    paying = [t.sparse_s <= 0.9 * t.dense_s for t in timings]
-    start = backend.planner.cfg.min_context
-    if not paying[-1]:
-        assert start == MAX_CONTEXT + 1  # never pays: nothing prunes
-    else:
-        first = len(paying) - paying[::-1].index(False) if False in paying else 0
-        assert start == timings[first].context
+def test_without_min_context_the_backend_times_where_its_kernels_pay():
+    """min_context unset: at start-up the backend times SGLang's dense loop, our kernel over every page
+    and the pruned path; our kernel serves steps that do not prune from the shortest timed context past
+    which it wins by 10 % at every longer one, and pruning starts where it beats the better dense path."""
+    backend = EntropicTorchNativeAttnBackend(_stub_runner(), CFG.model_copy(update={"min_context": None}))
+    probe = backend.probe
+    assert probe.check.ok
+    assert [t.context for t in probe.timings] == [t.context for t in probe.kernel_timings] == [256, 512, 1024, 1536,
+                                                                                                2048]
+    for timings, chosen in ((probe.kernel_timings, probe.dense_kernel_from), (probe.timings, backend.planner.cfg.min_context)):
+        paying = [t.sparse_s <= 0.9 * t.dense_s for t in timings]
+        if not paying[-1]:
+            assert chosen in (None, MAX_CONTEXT + 1)  # never pays
+        else:
+            first = len(paying) - paying[::-1].index(False) if False in paying else 0
+            assert chosen == timings[first].context
+
+
+def test_a_broken_kernel_turns_pruning_off_at_start_up(monkeypatch, caplog):
+    """The self-check runs the backend's own path on synthetic KV before serving: a kernel that is off
+    by 2 % fails it, and the server stays up attending densely, the reason in the log and /server_info."""
+    import sgl_entropic.plugin.attention as attention
+    from sgl_entropic.plugin import server_info
+
+    good = attention.attend_layer
+    monkeypatch.setattr(attention, "attend_layer", lambda *a: (lambda out, kept: (out * 1.02, kept))(*good(*a)))
+    rt = runtime.install(EntropicConfig(mode="pruning", pruning=CFG.model_dump()))
+    backend = attention.create_backend(_stub_runner())
+    assert not backend.probe.check.ok and "differs from exact attention" in backend.probe.check.error
+    assert "pruning is OFF" in caplog.text
+    section = server_info.after_get_init_info({}, None)["entropic"]["pruning"]
+    assert section["self_check"]["ok"] is False and section["page_store_bytes"] == backend.planner.store.nbytes > 0
+    _, _, batch, _, _ = _setup(CFG, [1000, 700])
+    backend.init_forward_metadata(batch)
+    assert backend.plan is None  # the 1000-token row would prune: now it attends densely
+    assert rt.pruning_from == backend.planner.cfg.min_context > 1000

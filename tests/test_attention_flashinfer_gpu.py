@@ -1,6 +1,7 @@
-"""The FlashInfer path of the `entropic` backend, on a CUDA GPU only: the sparse wrapper planned
-over the kept slots must equal dense attention restricted to them, keep-all must be stock
-FlashInfer, and the real server must keep passkey retrieval. Skipped without CUDA."""
+"""The FlashInfer path of the `entropic` backend, on a CUDA GPU with SGLang and FlashInfer only: the
+pruned path (real FlashInfer, real Triton kernels) passes the self-check, a server that prunes keeps
+CUDA graphs and answers like stock SGLang (with its graphs) where nothing is pruned, and keeps passkey
+retrieval. Skipped without CUDA (tests/test_gpu_path.py checks the same logic on a stub FlashInfer)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ GPU_ARGS = ["--dtype", "bfloat16", "--max-total-tokens", "65536", "--sleep-on-id
 
 @pytest.fixture(scope="module")
 def gpu_servers(tmp_path_factory, model_path):
-    """Stock FlashInfer, ours with the default config, ours keeping everything (theta = -inf)."""
+    """Stock FlashInfer with its CUDA graphs, ours (default config), ours keeping everything."""
     base = ["--model-path", str(model_path), "--chat-template", "chatml", "--device", "cuda", *GPU_ARGS]
-    keep_all = json.dumps({"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "min_context": 0}})
+    keep_all = json.dumps({"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0,
+                                       "min_context": 0}})
     commands = {
         "stock": [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "flashinfer",
-                  "--disable-cuda-graph", "--mem-fraction-static", "0.2", *base],
+                  "--mem-fraction-static", "0.2", *base],
         "ours": [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "pruning",
                  "--mem-fraction-static", "0.2", *base],
         "keep_all": [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "pruning",
@@ -66,48 +68,24 @@ def test_passkey_survives_flashinfer_pruning(gpu_servers):
     assert dense_ok >= 4
 
 
-def test_sparse_wrapper_equals_dense_attention_over_the_kept_slots():
-    """FlashInfer's decode planned over a slot list is exact attention over those slots."""
-    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
-
-    from sgl_entropic.pruning import sparse_decode_attention
-
-    torch.manual_seed(0)
-    heads_q, heads_kv, dim, slots_total = 8, 2, 64, 4096
-    k = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
-    kept = [torch.randperm(slots_total, device="cuda")[:n].sort().values for n in (700, 33, 1500)]
-    indptr = torch.tensor([0] + [int(x.numel()) for x in kept], device="cuda").cumsum(0).int()
-    indices = torch.cat(kept).int()
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
-    wrapper.plan(indptr, indices, torch.ones(3, dtype=torch.int32, device="cuda"), heads_q, heads_kv, dim, 1,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    q = torch.randn(3, heads_q, dim, device="cuda", dtype=torch.bfloat16)
-    out = wrapper.run(q, (k, v))
-    for r, slots in enumerate(kept):
-        want = sparse_decode_attention(q[r], k[slots.long(), 0], v[slots.long(), 0])
-        torch.testing.assert_close(out[r].float(), want.float(), rtol=2e-2, atol=2e-2)
+def test_the_servers_keep_cuda_graphs_and_pass_their_self_check(gpu_servers):
+    for name in ("ours", "keep_all"):
+        info = gpu_servers[name].get("/server_info").json()
+        assert info["disable_cuda_graph"] is False, name
+        assert info["entropic"]["pruning"]["self_check"]["ok"], info["entropic"]["pruning"]
 
 
-def test_one_plan_serves_every_layer_when_only_the_slot_list_changes():
-    """The backend plans once per step and rewrites the plan's index buffer per layer (the counts per
-    row stay fixed): a run after the rewrite must attend the new slots."""
-    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pruned_path_equals_exact_attention_over_its_pages(per_head, dtype):
+    """Real FlashInfer and the real Triton kernels, the start-up self-check's comparison."""
+    from sgl_entropic.config import PruningConfig
+    from sgl_entropic.plugin.attention_flashinfer import FlashInferSparse
+    from sgl_entropic.plugin.self_check import run_self_check
 
-    from sgl_entropic.pruning import sparse_decode_attention
-
-    torch.manual_seed(1)
-    heads_q, heads_kv, dim, slots_total, n = 8, 2, 64, 4096, 300
-    k = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(slots_total, 1, heads_kv, dim, device="cuda", dtype=torch.bfloat16)
-    first, second = (torch.randperm(slots_total, device="cuda")[:n].int() for _ in range(2))
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
-    indices = first.clone()
-    wrapper.plan(torch.tensor([0, n], dtype=torch.int32, device="cuda"), indices,
-                 torch.ones(1, dtype=torch.int32, device="cuda"), heads_q, heads_kv, dim, 1,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    q = torch.randn(1, heads_q, dim, device="cuda", dtype=torch.bfloat16)
-    wrapper._paged_kv_indices_buf[:n].copy_(second)  # what the backend does between layers
-    out = wrapper.run(q, (k, v))
-    want = sparse_decode_attention(q[0], k[second.long(), 0], v[second.long(), 0])
-    torch.testing.assert_close(out[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    for heads in ((32, 8, 128), (9, 3, 64)):
+        sparse = FlashInferSparse(workspace, heads, (dtype, dtype), 16, per_head)
+        check = run_self_check(sparse.attend, *heads, dtype, PruningConfig(per_head=per_head), device="cuda",
+                               lengths=(5000, 3001, 777))
+        assert check.ok, check

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +22,12 @@ def test_plugin_reports_itself_from_the_scheduler(server):
     assert entropic["mode"] == "full"
     assert entropic["active_loops"] == ["signal", "sampling", "scheduling", "pruning"]
     assert entropic["config"]["sampling"]["target_entropy"] == 2.0
+    # the pruning backend's start-up pass: its self-check on synthetic KV, and the page store's bytes
+    # (budgeted out of the KV pool: 2 key vectors per page against 2 KV vectors per token, 1 / page size)
+    pruning, pool_tokens = entropic["pruning"], info["max_total_num_tokens"]
+    assert pruning["self_check"]["ok"], pruning["self_check"]
+    kv_bytes = pool_tokens * 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads, dim 64, fp32
+    assert pruning["page_store_bytes"] == pytest.approx(kv_bytes / 16, rel=0.01)
 
 
 def test_generate_works(server):
@@ -64,9 +71,14 @@ def test_top5_logprobs_match_transformers(server, hf_model):
         (["--entropic", "off", "--entropic-config", '{"mode": "full"}'], "contradicts"),
         (["--entropic", "pruning", "--entropic-config", '{"sampling": {"every_request": true}}'], "every_request needs"),
         (["--entropic", "sampling", "--schedule-policy", "entropic"], "--schedule-policy entropic"),
+        (["--entropic", "full", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+        (["--entropic", "pruning", "--disaggregation-mode", "decode"], "--disaggregation-mode decode"),
     ],
 )
 def test_launcher_rejects_bad_flags(args, needle):
+    """Real subprocesses (tests/test_reliability.py runs the whole matrix in-process): exit code 2, the
+    flag named, and nothing of SGLang's started (no banner), long before a model could load."""
+    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_entropic.launch_server", *args],
         cwd=ROOT,
@@ -76,3 +88,5 @@ def test_launcher_rejects_bad_flags(args, needle):
     )
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "sgl-entropic: mode=" not in proc.stdout
+    assert time.monotonic() - start < 60

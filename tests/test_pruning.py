@@ -3,22 +3,20 @@ surprisal), the canonical selection and layout, and attention over gathered page
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.pruning import (
-    AGGREGATES,
     DEFAULT_REFERENCE_ENTROPY,
-    PageLayout,
+    StepPlan,
+    all_pages,
+    attend_layer,
     keep_ratio,
     num_pages,
-    paged_decode_attention,
     quest_scores,
     reference_entropy_for_vocab,
     row_pages,
@@ -40,6 +38,7 @@ def pruning_configs(draw, page_size=None, min_context=None):
     lo = draw(st.floats(0.01, 1.0))
     hi = draw(st.floats(lo, 1.0))
     return PruningConfig(
+        shortlist_ratio=draw(st.none() | st.floats(hi, 1.0)),
         page_size=page_size or draw(st.integers(1, 8)),
         sink_blocks=draw(st.integers(0, 4)),
         recent_blocks=draw(st.integers(1, 4)),
@@ -77,7 +76,7 @@ def test_entropy_floor_stops_pruning_more(cfg, fraction, h_ref):
 
 
 def test_keep_ratio_formula_and_edges():
-    cfg = PruningConfig(min_keep_ratio=0.2, max_keep_ratio=0.8, entropy_floor=0.0)
+    cfg = PruningConfig(min_keep_ratio=0.2, max_keep_ratio=0.8, shortlist_ratio=None, entropy_floor=0.0)
     assert keep_ratio(0.0, cfg, 4.0) == pytest.approx(0.2)  # floor 0: the guard is off
     assert keep_ratio(1.0, cfg, 4.0) == pytest.approx(0.35)
     assert keep_ratio(2.0, cfg, 4.0) == pytest.approx(0.5)
@@ -85,7 +84,7 @@ def test_keep_ratio_formula_and_edges():
     assert keep_ratio(40.0, cfg, 4.0) == 0.8
     assert keep_ratio(INF, cfg, 4.0) == 0.8
     assert keep_ratio(NAN, cfg, 4.0) == 0.8  # unknown entropy: conservative
-    floored = PruningConfig(min_keep_ratio=0.2, max_keep_ratio=0.8, entropy_floor=1.0)
+    floored = PruningConfig(min_keep_ratio=0.2, max_keep_ratio=0.8, shortlist_ratio=None, entropy_floor=1.0)
     assert keep_ratio(0.0, floored, 4.0) == keep_ratio(1.0, floored, 4.0) == pytest.approx(0.35)
     assert keep_ratio(2.0, floored, 4.0) == pytest.approx(0.5)
     assert keep_ratio(0.5, PruningConfig(), DEFAULT_REFERENCE_ENTROPY) == keep_ratio(0.5, PruningConfig())
@@ -105,9 +104,12 @@ def test_row_pages_guards_and_budget(cfg, length, entropy):
     assert r.n == num_pages(length, cfg.page_size) == r.sink + r.candidates + r.recent
     assert r.recent == min(cfg.recent_blocks, r.n) >= 1 and r.sink <= cfg.sink_blocks
     if length < cfg.min_context:
-        assert r.keep == r.candidates and not r.prunes
+        assert r.keep == r.shortlist == r.candidates and not r.prunes
     else:
         assert r.keep == min(r.candidates, math.ceil(keep_ratio(entropy, cfg) * r.candidates))
+        ratio = cfg.shortlist_ratio
+        assert r.shortlist == (r.keep if ratio is None else max(r.keep, min(r.candidates, math.ceil(ratio * r.candidates))))
+    assert r.keep <= r.shortlist <= r.candidates
     # dropped pages are whole candidate pages; the partial last page is never dropped
     assert r.kept_tokens == length - (r.candidates - r.keep) * cfg.page_size
 
@@ -117,6 +119,7 @@ def test_row_pages_by_hand():
                         min_context=1024)
     r = row_pages(4000, 1.0, cfg)  # 250 pages: 1 sink, 2 recent, 247 candidates, keep ceil(61.75) = 62
     assert (r.n, r.sink, r.recent, r.candidates, r.keep) == (250, 1, 2, 247, 62)
+    assert r.shortlist == 124  # the default shortlist: ceil(0.5 * 247)
     assert r.kept_tokens == 4000 - 185 * 16
     assert not row_pages(1000, 1.0, cfg).prunes  # below min_context
     tiny = row_pages(20, 1.0, cfg.model_copy(update={"min_context": 0}))  # 2 pages: both recent
@@ -158,44 +161,30 @@ def test_surprisal_scores_hand_examples():
 # ---------------------------------------------------------------------------- selection and layout
 
 
-@st.composite
-def layouts(draw):
-    cfg = draw(pruning_configs(page_size=4))
-    batch = draw(st.integers(1, 4))
-    lengths = draw(st.lists(st.integers(1, 120), min_size=batch, max_size=batch))
-    entropies = draw(st.lists(ENTROPIES, min_size=batch, max_size=batch))
-    rows = [row_pages(n, h, cfg) for n, h in zip(lengths, entropies)]
-    width = max(r.n for r in rows)
-    pool = st.sampled_from([0.0, 1.0, 3.0]) | st.floats(-5.0, 30.0, width=32) | st.just(NAN)
-    scores = torch.tensor(draw(arrays(np.float32, (batch, width), elements=pool)))
-    table = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(i))[:width] for i in range(batch)])
-    return rows, scores, table
-
-
 @PROPERTY
-@given(layouts())
-def test_selection_is_the_canonical_top_k_with_guards(case):
-    rows, scores, table = case
-    layout = PageLayout.build(rows, table)
-    logical, valid = layout.select(scores)
+@given(pruning_configs(page_size=4), st.lists(st.integers(1, 120), min_size=1, max_size=4), ENTROPIES)
+def test_a_step_plan_fixes_the_sink_and_recent_pages_and_masks_the_rest(cfg, lengths, entropy):
+    rows = [row_pages(n, entropy, cfg) for n in lengths]
+    width = max(r.n for r in rows)
+    table = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(i))[:width]
+                         for i in range(len(rows))])
+    plan = StepPlan.build(rows, table)
     for b, r in enumerate(rows):
-        pages = logical[b][valid[b]].tolist()
-        s = [INF if math.isnan(float(x)) else float(x) for x in scores[b]]
-        cand = list(range(r.sink, r.n - r.recent))
-        best = sorted(cand, key=lambda j: (-s[j], j))[: r.keep]  # higher score, then the lower page
-        assert pages == list(range(r.sink)) + sorted(best) + list(range(r.n - r.recent, r.n))
-        assert layout.physical(logical)[b][valid[b]].tolist() == [int(table[b, j]) for j in pages]
-        # the compact list (what the attention kernels read) is the same pages, in the same order
-        assert layout.kept_pages(logical)[b].tolist() == [int(table[b, j]) for j in pages]
+        fixed = list(range(r.sink)) + list(range(r.n - r.recent, r.n))
+        assert plan.fixed_pages[b, : len(fixed)].tolist() == [int(table[b, j]) for j in fixed]
+        tokens = plan.fixed_tokens[b].sum(dim=-1).tolist()
+        assert sum(tokens) == sum(min(4, r.length - 4 * j) for j in fixed)  # the last page: its real tokens
+        assert plan.candidate[b].nonzero().flatten().tolist() == list(range(r.sink, r.n - r.recent))
+        assert plan.shortlist_valid[b].sum() == r.shortlist and plan.keep_valid[b].sum() == r.keep
 
 
 def test_attended_fractions_count_dense_layers():
     cfg = PruningConfig(page_size=16, min_keep_ratio=0.25, max_keep_ratio=0.25, min_context=0)
     rows = [row_pages(4000, 1.0, cfg), row_pages(500, 1.0, cfg)]
-    layout = PageLayout.build(rows, torch.zeros(2, 250, dtype=torch.long))
+    plan = StepPlan.build(rows, torch.zeros(2, 250, dtype=torch.long))
     kept = [r.kept_tokens / r.length for r in rows]
-    assert layout.attended_fractions(1.0) == pytest.approx(kept)
-    assert layout.attended_fractions(28 / 30) == pytest.approx([1 - 28 / 30 * (1 - k) for k in kept])
+    assert plan.attended_fractions(1.0) == pytest.approx(kept)
+    assert plan.attended_fractions(28 / 30) == pytest.approx([1 - 28 / 30 * (1 - k) for k in kept])
 
 
 # ---------------------------------------------------------------------------- attention
@@ -231,24 +220,30 @@ def test_sparse_attention_all_kept_equals_dense():
     torch.testing.assert_close(sparse_decode_attention(q, k, v), dense, atol=1e-5, rtol=1e-5)  # default scale
 
 
-def test_paged_attention_equals_dense_attention_over_the_kept_pages():
+def test_attention_over_a_plan_equals_dense_attention_over_its_pages():
+    """attend_layer over given pages (the surprisal selector's `chosen`) and over every page (the dense
+    kernel) is exact attention over those pages' tokens, row by row, ragged rows padded and masked."""
     g = torch.Generator().manual_seed(7)
-    p, pool_pages, batch = 16, 64, 3
+    p, pool_pages = 16, 64
     k_cache = torch.randn(pool_pages * p, H_KV, HEAD_DIM, generator=g)
     v_cache = torch.randn(pool_pages * p, H_KV, HEAD_DIM, generator=g)
     cfg = PruningConfig(page_size=p, min_keep_ratio=0.4, max_keep_ratio=0.4, min_context=0)
-    rows = [row_pages(n, 1.0, cfg) for n in (300, 170, 45)]
-    table = torch.stack([torch.randperm(pool_pages, generator=g)[:19] for _ in range(batch)])
-    layout = PageLayout.build(rows, table)
-    logical, valid = layout.select(torch.randn(batch, 19, generator=g))
-    q = torch.randn(batch, H_Q, HEAD_DIM, generator=g)
-    out = paged_decode_attention(q, k_cache, v_cache, layout.kept_pages(logical), [r.kept_tokens for r in rows], p,
-                                 0.125)
-    for b, r in enumerate(rows):
-        slots = (table[b, : r.n, None] * p + torch.arange(p)).flatten()[: r.length]  # the row's context
-        kept = [t for j in logical[b][valid[b]].tolist() for t in range(j * p, min(r.length, (j + 1) * p))]
-        want = _dense_attention(q[b], k_cache[slots][kept], v_cache[slots][kept], 0.125)
-        torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
+    q = torch.randn(3, H_Q, HEAD_DIM, generator=g)
+    table = torch.stack([torch.randperm(pool_pages, generator=g)[:19] for _ in range(3)])
+    for rows in ([row_pages(n, 1.0, cfg) for n in (300, 170, 45)], [all_pages(n, p) for n in (300, 170, 45)]):
+        plan = StepPlan.build(rows, table)
+        chosen = []
+        for r in rows:
+            pages = torch.randperm(r.candidates, generator=g)[: r.keep] + r.sink
+            chosen.append(pages.tolist() + [0] * (plan.keep_valid.shape[1] - r.keep))
+        plan.chosen = torch.tensor(chosen, dtype=torch.long)[:, None]
+        out, kept = attend_layer(q, k_cache, v_cache, plan, None, None, 0.125)
+        for b, r in enumerate(rows):
+            logical = list(range(r.sink)) + plan.chosen[b, 0, : r.keep].tolist() + list(range(r.n - r.recent, r.n))
+            slots = (table[b, : r.n, None] * p + torch.arange(p)).flatten()[: r.length]  # the row's context
+            tokens = [t for j in sorted(logical) for t in range(j * p, min(r.length, (j + 1) * p))]
+            want = _dense_attention(q[b], k_cache[slots][tokens], v_cache[slots][tokens], 0.125)
+            torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
 
 
 def test_sparse_attention_rejects_bad_shapes():

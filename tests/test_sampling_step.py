@@ -38,7 +38,9 @@ def test_only_entropic_rows_are_touched():
     torch.testing.assert_close(logits[1], original[1] * (0.8 / new_t))  # the sampler then divides by 0.8
     assert (logits[2] == float("-inf")).sum() > 0  # mirostat truncated its row
 
-    step.record(logits.clone(), torch.tensor([1, 2, int(logits[2].argmax()), 20]), s.rt, [10, 11, 12, 13])
+    _, pending = step.record(logits.clone(), torch.tensor([1, 2, int(logits[2].argmax()), 20]), [10, 11, 12, 13])
+    assert all(r.customized_info is None for r in reqs)  # nothing is read back until the batch's result
+    pending.finish(s.rt)
     temps = [r.customized_info["temperature"][0] for r in reqs]
     assert abs(temps[0] - 0.7) < 1e-6
     assert temps[1] == pytest.approx(new_t) and temps[2] == 1.0 and temps[3] == 0.0  # greedy row
@@ -122,13 +124,40 @@ def test_every_request_gives_the_servers_controller_to_requests_that_ask_for_non
     assert request_controllers(plain(0.7), EntropicConfig()) == (None, None)  # off by default
 
 
-def test_a_step_reads_the_device_once():
+def test_a_step_never_waits_for_the_device_and_hands_its_values_over_once():
+    """Inside the sampler a step reads nothing back; its one non-blocking transfer is read where
+    SGLang processes the batch's result, so the overlap scheduler is not held up."""
     s = Stepper()
     cfg = SamplingConfig(target_entropy=1.0, warmup=0)
     reqs = [s.req(controller=ControllerState.from_config(cfg, 0.8)) if i % 3 == 1 else
             s.req(mirostat=MirostatState.from_config(SamplingConfig(controller="mirostat_v2", tau=2.0))) if i % 3 == 2
             else s.req() for i in range(8)]
-    for _ in range(3):  # the first steps too, and a warmed-up one
+    for step_no in range(3):  # the first steps too, and a warmed-up one
+        logits = torch.randn(8, 50)
         with HostReads() as mode:
-            s.step(reqs, torch.randn(8, 50), [0.8] * 8)
-        assert mode.reads == ["tolist"], mode.reads
+            step = s.begin(reqs, logits, [0.8] * 8)
+            _, pending = step.record(logits.clone(), logits.argmax(dim=-1), [32] * 8)
+        assert mode.reads == [] and mode.transfers == [(5, 8)], (mode.reads, mode.transfers)
+        pending.finish(s.rt)
+        assert all(len(r.customized_info["entropy"]) == step_no + 1 for r in reqs)
+
+
+def test_a_batch_result_finishes_its_own_step_and_leaves_the_next_one_pending():
+    """Under the overlap scheduler step N+1 is sampled before step N's result is processed: processing
+    N finishes N's record only, so the host never waits for the step in flight."""
+    from types import SimpleNamespace
+
+    from sgl_entropic.plugin.sampling_step import finish_pending
+
+    s = Stepper()
+    reqs = [s.req(), s.req()]
+    for forward_iter in (7, 8):
+        logits = torch.randn(2, 50)
+        step = s.begin(reqs, logits, [0.8, 0.8])
+        step.rows.forward_iter = forward_iter
+        s.rt.pending.append(step.record(logits.clone(), logits.argmax(dim=-1), [32, 32])[1])
+    finish_pending(s.rt, SimpleNamespace(forward_iter=7).forward_iter)
+    assert [p.rows.forward_iter for p in s.rt.pending] == [8]
+    assert all(len(r.customized_info["entropy"]) == 1 for r in reqs)
+    finish_pending(s.rt, 8)
+    assert not s.rt.pending and all(len(r.customized_info["entropy"]) == 2 for r in reqs)

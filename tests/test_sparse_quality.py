@@ -1,7 +1,8 @@
 """The short version of the sparse-decode quality suite (benchmarks/sparse_quality.py): on SGLang's
-own ModelRunner, dense and pruned decode side by side on two 4k windows of real source code,
-teacher-forced along the dense greedy continuation. The default (query-aware) selector must stay close to dense; the
-surprisal-only selector, at the same budget, must not, which shows that the check discriminates."""
+own ModelRunner (fp32), dense and pruned decode side by side on two 4k windows of real source code,
+teacher-forced along the dense greedy continuation (the dense pass made once per window). The default
+selection must stay close to dense; the paper's surprisal-only selection, at the same budget, must
+not, which shows that the check discriminates."""
 
 import json
 import subprocess
@@ -19,14 +20,15 @@ sys.path.insert(0, "benchmarks")
 import sparse_quality as q
 from sgl_entropic.config import PruningConfig
 
-rt = q.Runtime("bfloat16", max_total_tokens=8192)
+rt = q.Runtime("float32", max_total_tokens=8192)
 # 4k tokens (the targets' range) from the middle of two SGLang source files: fixed, whatever else is installed
 windows = []
 for path in q.code_files()[:2]:
     ids = rt.tokenizer(path.read_text()).input_ids
     windows.append(q.Window(path.stem, ids[len(ids) // 2 - 2000 : len(ids) // 2 + 2000]))
-cfgs = {"quest": PruningConfig(min_context=1024), "surprisal": PruningConfig(selector="surprisal", min_context=1024)}
-result = q.run_suite(rt, cfgs, windows, 16, lambda msg: None)
+cfgs = {"quest": PruningConfig(min_context=1024),
+        "surprisal": PruningConfig(selector="surprisal", shortlist_ratio=None, min_context=1024)}
+result = q.run_suite(rt, cfgs, windows, 12, lambda msg: None, free_running=False)
 print("RESULT " + json.dumps(result))
 """
 
@@ -37,6 +39,6 @@ def test_default_selector_stays_close_to_dense_where_surprisal_does_not():
     assert lines, proc.stderr[-4000:]
     result = json.loads(lines[0][len("RESULT "):])
     quest, surprisal = result["quest"]["4"], result["surprisal"]["4"]
-    assert quest["kept_share"] < 0.75  # it really pruned
-    assert quest["kl_mean"] < 0.02 and quest["top1_gap"] >= 0.9, quest  # the issue's KL target
+    assert quest["kept_share"] < 0.5  # it really pruned: about a third of the context
+    assert quest["kl_mean"] < 0.01 and quest["top1_gap"] >= 0.9, quest  # the KL target
     assert surprisal["kl_mean"] > 3 * quest["kl_mean"], (quest, surprisal)

@@ -13,6 +13,7 @@ import torch
 
 from sgl_entropic.config import EntropicConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.plugin import runtime
+from sgl_entropic.pruning import attend_layer
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import RequestView, order_waiting, remaining_output, remaining_work, select_decode
 from tests.stepping import Stepper
@@ -80,14 +81,20 @@ def test_two_ranks_on_identical_inputs_decide_identically(no_clock_no_randomness
     assert orders[0] == orders[1] and masks[0] == masks[1]
 
 
-def test_two_ranks_select_the_same_pages(no_clock_no_randomness):
-    cfg = CFG.model_copy(update={"selector": "quest"})
+@pytest.mark.parametrize("update", [{}, {"per_head": True}, {"shortlist_ratio": None}])
+def test_two_ranks_select_the_same_pages(no_clock_no_randomness, update):
+    """Each rank plans and selects from its own inputs alone (with --tp-size > 1 nothing is timed at
+    start-up): identical inputs, identical pages on every layer."""
+    cfg = CFG.model_copy(update=update)
     picks = []
     for _ in range(2):
-        runner, backend, batch, q, _ = _setup(cfg, [900, 400, 700], entropies=[0.5, 3.0, float("nan")], seed=5)
+        runner, backend, batch, q, _ = _setup(cfg, [900, 400, 700], entropies=[0.5, 3.0, float("nan")], seed=5,
+                                              tp_size=2)
         runtime.current().rows = batch.rows
-        step = backend.planner.plan(batch, batch.rows)
-        assert step is not None
+        plan = backend.planner.plan(batch, batch.rows)
+        assert plan is not None
         queries = q.view(q.shape[0], -1, 16)
-        picks.append([backend.planner.pages(step, layer, queries)[0] for layer in range(3)])
+        pool, store = runner.token_to_kv_pool, backend.planner.store
+        picks.append([attend_layer(queries, pool.k[layer], pool.v[layer], plan, store.kmin[layer], store.kmax[layer],
+                                   0.25)[1] for layer in range(3)])
     assert all(torch.equal(a, b) for a, b in zip(*picks))

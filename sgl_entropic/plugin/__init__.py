@@ -62,6 +62,8 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         Hook(S + "model_executor.model_runner.ModelRunner.sample", "around", sampling_step.around_model_runner_sample,
              "scheduler"),
         Hook(S + "layers.sampler.Sampler.forward", "around", sampling_step.around_sampler_forward, "scheduler"),
+        Hook(S + "managers.scheduler.Scheduler.process_batch_result", "before",
+             sampling_step.before_process_batch_result, "scheduler"),
         # --- with --dp-size N: the DP controller forwards only its own keys of the schedulers' init info
         Hook(S + "managers.data_parallel_controller.DataParallelController.get_init_info", "after",
              server_info.after_dp_get_init_info, "dp_controller"),
@@ -82,11 +84,18 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
                  scheduling_hooks.around_prepare_for_decode, "scheduler"),
             Hook(S + "managers.scheduler.Scheduler.run_batch", "after", scheduling_hooks.after_run_batch, "scheduler"),
         ]
-    if config.pruning_on and config.pruning.selector == "surprisal":  # its prompt scores, from the model's logits
-        from sgl_entropic.plugin import attention
+    if config.pruning_on:  # the page store comes out of the KV budget; pruned steps leave CUDA graphs
+        from sgl_entropic.plugin import attention, page_store
 
-        table.append(Hook(S + "layers.logits_processor.LogitsProcessor.forward", "around",
-                          attention.around_logits_forward, "scheduler"))
+        table += [
+            Hook(S + "mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "around",
+                 page_store.around_config_from_budget, "scheduler"),
+            Hook(S + "model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph", "around",
+                 attention.around_can_run_graph, "scheduler"),
+        ]
+        if config.pruning.selector == "surprisal":  # its prompt scores, from the model's logits
+            table.append(Hook(S + "layers.logits_processor.LogitsProcessor.forward", "around",
+                              attention.around_logits_forward, "scheduler"))
     return tuple(table)
 
 

@@ -2,22 +2,23 @@
 
 Prefill and extend stay dense and fold the keys they write into the page store's min/max
 (`page_store.py`); every decode step plans once (`PagePlanner.plan`: which rows prune, how many
-pages each keeps, from its latest entropy) and every layer selects its pages and attends them:
-  - CPU: a subclass of SGLang's TorchNativeAttnBackend; a sparse layer gathers the kept pages
-    of the whole batch and runs one batched SDPA (`pruning.paged_decode_attention`); a step that
-    prunes nothing runs SGLang's own loop, untouched.
-  - CUDA (`attention_flashinfer.py`): FlashInfer paged decode, one plan per step, the page list
-    rewritten per layer by the Triton page-select kernel.
-`pruning.py` decides; this module adapts it to SGLang's pools and batches. The layouts follow
-`sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm` (per page, per KV head key min/max),
-which is not reused as code: it re-gathers every page's keys per layer from req_to_token, keeps
-fp32 copies per layer in dicts, syncs with the host (.item(), nonzero) on every call, and averages
-a query group, which is not an upper bound. Here the metadata is written once, as KV is written.
+pages each shortlists and keeps, a `pruning.StepPlan` of device tensors) and every layer selects and
+attends (`pruning.attend_layer`):
+  - CPU: a subclass of SGLang's TorchNativeAttnBackend. A step that prunes runs the batched kernel
+    of `pruning.attend_layer`; a step that does not runs the same kernel over every page where the
+    start-up probe timed it faster than SGLang's own per-request loop, else SGLang's loop, untouched.
+  - CUDA (`attention_flashinfer.py`): FlashInfer, its CUDA graphs kept for steps that do not prune.
+`pruning.py` decides; this module adapts it to SGLang's pools and batches. The page store's layout
+follows `sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm` (per page, per KV head key
+min/max), which is not reused as code: it re-gathers every page's keys per layer from
+req_to_token, keeps fp32 copies per layer in dicts, syncs with the host (.item(), nonzero) on every
+call, and averages a query group, which is not an upper bound. Here the metadata is written once, as
+KV is written.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -27,13 +28,14 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
-from sgl_entropic.crossover import CONTEXTS, Timing, crossover, measure
+from sgl_entropic.crossover import CONTEXTS, crossover, measure
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin.self_check import SelfCheck, run_self_check
 from sgl_entropic.pruning import (
-    PageLayout,
-    paged_decode_attention,
-    quest_scores,
+    StepPlan,
+    all_pages,
+    attend_layer,
     reference_entropy_for_vocab,
     row_pages,
     surprisal_scores,
@@ -41,20 +43,14 @@ from sgl_entropic.pruning import (
 
 logger = logging.getLogger("sgl_entropic")
 
-# Where the crossover is not measured (the CUDA backend, tensor parallelism) and min_context is
-# unset, rows shorter than this attend densely.
+# Where the crossover is not measured (tensor parallelism: every rank must decide alike) and
+# min_context is unset, rows shorter than this attend densely.
 UNMEASURED_MIN_CONTEXT = 1024
 # Dense decode steps defer at most this many KV slots before folding them (one fold per layer).
 _MAX_DEFERRED_SLOTS = 4096
-
-
-@dataclass
-class DecodeStep:
-    """A decode batch's plan: the layout, and for layer-independent selections the pages."""
-
-    layout: PageLayout
-    fixed: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (logical, valid) for every layer
-    reuse: bool = False  # quest_gated: every layer reuses its last selection
+# CPU: a step's rows are attended in groups of about this many gathered tokens, so that a group's pages
+# (and their float32 copies) stay in the caches; the whole batch at once spills them (measured: README).
+CPU_GROUP_TOKENS = 4096
 
 
 class PagePlanner:
@@ -70,36 +66,78 @@ class PagePlanner:
         layers = config.num_hidden_layers
         self.sparse_share = max(0, layers - cfg.dense_layers) / layers  # the first dense_layers read everything
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.group_tokens: Optional[int] = None  # the CPU backend's row groups (pruning.StepPlan.build)
         self.kv_pool = model_runner.token_to_kv_pool
         k0 = self.kv_pool.get_key_buffer(0)
         self.store = PageStore(layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
                                self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
-        # quest_gated: the rows (arrival seqs) and keep counts of the last selection, its age, and per layer its pages
-        self._gate: tuple[tuple, tuple, int] = ((), (), 0)
-        self._chosen: dict[int, torch.Tensor] = {}
         # KV slots written by dense decode steps whose keys are not folded into the page bounds yet
         self._deferred: list[torch.Tensor] = []
         self._deferred_slots = 0
         self._fold_decode = False
 
-    def plan(self, forward_batch, batch_rows) -> Optional[DecodeStep]:
-        """None when this decode step attends densely (nothing to prune, or a batch shape we do not prune).
+    def disable(self, reason: str) -> None:
+        """Pruning off for this server's life (the self-check failed): every step attends densely."""
+        self.cfg = self.cfg.model_copy(update={"min_context": 10**9})
+        logger.error("sgl-entropic: pruning is OFF, every decode step attends densely: %s", reason)
 
-        batch_rows: the step's `BatchRows` (the requests' host state: latest entropy and surprisal).
-        A dense step folds no keys: its slots wait (`_deferred`) until a step prunes, an extend
-        comes, or they pile up, so contexts below the crossover pay nothing per layer.
+    def rows(self, forward_batch, batch_rows) -> Optional[list]:
+        """Each row's page counts when this decode step prunes, else None (host values only: no device read)."""
+        lengths = forward_batch.seq_lens_cpu.tolist()  # a host tensor
+        if forward_batch.encoder_lens is not None or forward_batch.spec_info is not None or not lengths:
+            return None
+        if max(lengths) < (self.cfg.min_context or 0):
+            return None
+        states = _row_states(batch_rows, len(lengths))
+        entropies = [math.nan if s is None or s.trace.last_entropy is None else s.trace.last_entropy for s in states]
+        rows = [row_pages(n, h, self.cfg, self.reference_entropy) for n, h in zip(lengths, entropies)]
+        return rows if any(r.prunes for r in rows) else None
+
+    def plan(self, forward_batch, batch_rows, dense_kernel: bool = False) -> Optional[StepPlan]:
+        """The step's plan: pruned, or every page for the dense kernel (`dense_kernel`), or None (SGLang's loop).
+
+        batch_rows: the step's `BatchRows` (the requests' host state: latest entropy). A step that does
+        not prune folds no keys: its slots wait (`_deferred`) until a step prunes, an extend comes, or
+        they pile up, so contexts below the crossover pay nothing per layer.
         """
-        step = self._plan(forward_batch, batch_rows)
-        self._fold_decode = step is not None
-        if step is not None:
+        self.store.write_decode_inputs(forward_batch.out_cache_loc, forward_batch.req_pool_indices)
+        rows = self.rows(forward_batch, batch_rows)
+        self._fold_decode = rows is not None
+        if rows is not None:
             self.fold_deferred()
         else:
-            locs = forward_batch.out_cache_loc
-            self._deferred.append(locs)
-            self._deferred_slots += locs.numel()
-            if self._deferred_slots >= _MAX_DEFERRED_SLOTS:
-                self.fold_deferred()
-        return step
+            self.note_dense_step(forward_batch)
+            if not dense_kernel or forward_batch.encoder_lens is not None or forward_batch.spec_info is not None:
+                return None
+            rows = [all_pages(n, self.cfg.page_size) for n in forward_batch.seq_lens_cpu.tolist()]
+        plan = self._build(rows, forward_batch.req_pool_indices)
+        if self._fold_decode and batch_rows is not None:  # the per-token `attended` trace and the cost C
+            batch_rows.attended = plan.attended_fractions(self.sparse_share)
+            batch_rows.read = plan.read_fractions(self.sparse_share)
+        if self._fold_decode and self.cfg.selector == "surprisal":
+            p = self.cfg.page_size
+            slots = self.req_to_token[forward_batch.req_pool_indices, : max(r.length for r in rows)].long()
+            lengths = torch.tensor([r.length for r in rows], device=slots.device)
+            scores = surprisal_scores(self.store.slot_surprisal[slots], lengths, p, self.cfg.aggregate)
+            width = plan.page_table.shape[1]
+            scores = scores[:, :width].masked_fill(~plan.candidate, -math.inf)
+            plan.chosen = scores.topk(plan.keep_valid.shape[1], dim=-1).indices[:, None]
+        return plan
+
+    def _build(self, rows: list, req_pool_indices: torch.Tensor) -> StepPlan:
+        p = self.cfg.page_size
+        width = max(r.n for r in rows)
+        page_table = self.req_to_token[req_pool_indices, : width * p : p].long() // p
+        return StepPlan.build(rows, page_table, per_head=self.cfg.per_head, group_tokens=self.group_tokens)
+
+    def note_dense_step(self, forward_batch) -> None:
+        """A decode step that does not prune folds no keys: its KV slots wait for the next fold."""
+        self._fold_decode = False
+        locs = forward_batch.out_cache_loc
+        self._deferred.append(locs)
+        self._deferred_slots += locs.numel()
+        if self._deferred_slots >= _MAX_DEFERRED_SLOTS:
+            self.fold_deferred()
 
     def fold_deferred(self) -> None:
         """Fold the deferred decode slots' keys, every layer; before any newer write, to keep write order."""
@@ -110,65 +148,15 @@ class PagePlanner:
         for layer_id in range(self.store.kmin.shape[0]):
             self.store.write_keys(layer_id, locs, self.kv_pool.get_key_buffer(layer_id)[locs])
 
-    def _plan(self, forward_batch, batch_rows) -> Optional[DecodeStep]:
-        self.store.write_decode_inputs(forward_batch.out_cache_loc, forward_batch.req_pool_indices)
-        lengths = forward_batch.seq_lens_cpu.tolist()  # a host tensor: no device sync
-        if forward_batch.encoder_lens is not None or forward_batch.spec_info is not None or not lengths:
-            return None
-        if max(lengths) < (self.cfg.min_context or 0):
-            return None
-        states = _row_states(batch_rows, len(lengths))
-        entropies = [math.nan if s is None or s.trace.last_entropy is None else s.trace.last_entropy for s in states]
-        rows = [row_pages(n, h, self.cfg, self.reference_entropy) for n, h in zip(lengths, entropies)]
-        reuse = self.cfg.selector == "quest_gated" and self._can_reuse(states)
-        if reuse:
-            rows = [r.with_keep(k) for r, k in zip(rows, self._gate[1])]
-        if not any(r.prunes for r in rows):
-            return None
-        p = self.cfg.page_size
-        width = -(-max(lengths) // p)
-        page_table = self.req_to_token[forward_batch.req_pool_indices, : width * p : p].long() // p
-        layout = PageLayout.build(rows, page_table)
-        if batch_rows is not None:  # the per-token `attended` trace and the cost C of this step
-            batch_rows.attended = layout.attended_fractions(self.sparse_share)
-        step = DecodeStep(layout, reuse=reuse)
-        if self.cfg.selector == "surprisal":
-            slots = self.req_to_token[forward_batch.req_pool_indices, : max(lengths)].long()
-            scores = surprisal_scores(self.store.slot_surprisal[slots], layout.lengths, p, self.cfg.aggregate)
-            step.fixed = layout.select(scores)
-        elif self.cfg.selector == "quest_gated":
-            keys = tuple(s.arrival_seq if s is not None else None for s in states)
-            self._gate = (keys, tuple(r.keep for r in rows), self._gate[2] + 1 if reuse else 1)
-        return step
-
-    def _can_reuse(self, states) -> bool:
-        """quest_gated: the same requests as last step, none surprised, the selection young enough."""
-        keys, _, age = self._gate
-        if any(s is None for s in states) or keys != tuple(s.arrival_seq for s in states):
-            return False
-        if age >= self.cfg.gate_max_age:
-            return False
-        return all(s.last_surprisal <= self.cfg.gate_surprisal for s in states)
-
-    def pages(self, step: DecodeStep, layer_id: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logical, valid) pages of this layer: fixed per step, reused, or selected by the bound."""
-        if step.fixed is not None:
-            return step.fixed
-        layout = step.layout
-        if step.reuse and layer_id in self._chosen:
-            return layout.assemble(self._chosen[layer_id])
-        pt = layout.page_table
-        scores = quest_scores(q, self.store.kmin[layer_id][pt], self.store.kmax[layer_id][pt])
-        logical, valid = layout.select(scores)
-        if self.cfg.selector == "quest_gated":
-            self._chosen[layer_id] = logical[:, layout.sink_cols : layout.sink_cols + layout.keep_cols]
-        return logical, valid
+    @staticmethod
+    def plain_layer(layer) -> bool:
+        """Layers our kernels serve: self-attention without a sliding window (others run SGLang's code)."""
+        window = getattr(layer, "sliding_window_size", None)
+        return not layer.is_cross_attention and (window is None or window < 0)
 
     def sparse_layer(self, layer) -> bool:
-        """Layers that attend the plan: past the dense ones, self-attention without a sliding window."""
-        window = getattr(layer, "sliding_window_size", None)
-        return (layer.layer_id >= self.cfg.dense_layers and not layer.is_cross_attention
-                and (window is None or window < 0))
+        """Layers that attend a pruned plan: plain ones past the first `dense_layers`."""
+        return self.plain_layer(layer) and layer.layer_id >= self.cfg.dense_layers
 
     def write_keys(self, layer, forward_batch, k_cache: torch.Tensor) -> None:
         """After a layer wrote its KV: fold the keys into the page bounds (a dense decode step defers)."""
@@ -179,10 +167,20 @@ class PagePlanner:
 
 
 def _row_states(rows, batch: int) -> list:
-    """Each row's RequestState (host copy of its latest entropy and surprisal), None if unknown."""
+    """Each row's RequestState (host copy of its latest entropy), None if unknown."""
     if rows is None or len(rows.reqs) != batch:
         return [None] * batch
     return [getattr(r, "entropic", None) for r in rows.reqs]
+
+
+@dataclass
+class Probe:
+    """What the start-up pass found: where our kernels pay on this machine and model, and the self-check."""
+
+    timings: list  # crossover.Timing per context: SGLang's dense loop against our pruned path
+    kernel_timings: list  # crossover.Timing per context: SGLang's dense loop against our kernel over every page
+    dense_kernel_from: Optional[int]  # steps that do not prune run our kernel from this context on
+    check: SelfCheck
 
 
 class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
@@ -190,39 +188,68 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner)
-        self.timings: list[Timing] = []
-        if cfg.min_context is None and model_runner.server_args.tp_size > 1:
-            # each rank would time its own crossover; their decisions must be identical
-            cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
-        if cfg.min_context is None:  # measure where pruning pays on this machine and model
-            config = model_runner.model_config
-            cap = min(config.context_len, model_runner.token_to_kv_pool.size)
-            self.timings = measure(functools.partial(self._timed_step, model_runner, cfg),
-                                   [n for n in CONTEXTS if n <= cap])
-            found = crossover(self.timings)
-            cfg = cfg.model_copy(update={"min_context": found if found is not None else config.context_len + 1})
-            logger.info("sgl-entropic: pruning pays from %s tokens (dense/sparse ms per step: %s)",
-                        found if found is not None else "no measured context",
-                        ", ".join(f"{t.context}: {t.dense_s * 1e3:.2f}/{t.sparse_s * 1e3:.2f}" for t in self.timings))
         self.planner = PagePlanner(model_runner, cfg)
-        self.step: Optional[DecodeStep] = None
+        self.planner.group_tokens = CPU_GROUP_TOKENS
+        self.probe = self._start_up(model_runner, cfg)
+        self.plan: Optional[StepPlan] = None
+        self._dense_plan: Optional[StepPlan] = None
+        self._batch = None
         self._layer = None
 
-    def _timed_step(self, model_runner, cfg: PruningConfig, n: int, sparse: bool):
-        """One decode step's attention over every layer, for one row of n tokens of synthetic KV:
-        SGLang's own dense loop, or the pruned path (plan, page bounds, selection at the
-        largest budget, kept-page attention, the key fold a pruned step does)."""
-        config, p = model_runner.model_config, cfg.page_size
+    # ------------------------------------------------------------------ start-up: self-check, crossover
+
+    def _start_up(self, model_runner, cfg: PruningConfig) -> Probe:
         k0 = model_runner.token_to_kv_pool.get_key_buffer(0)
-        heads_kv, dim, dtype = k0.shape[1], k0.shape[2], k0.dtype
-        heads_q, layers = config.num_attention_heads // model_runner.server_args.tp_size, config.num_hidden_layers
+        config = model_runner.model_config
+        heads_q = config.num_attention_heads // model_runner.server_args.tp_size
+        shape = (heads_q, k0.shape[1], k0.shape[2], k0.dtype)
+        check = run_self_check(attend_layer, *shape, cfg)
+        if not check.ok:
+            self.planner.disable(check.error)
+            return Probe([], [], None, check)
+        timings, kernel_timings, from_ = [], [], None
+        if model_runner.server_args.tp_size > 1:
+            # each rank would time its own crossovers; their decisions must be identical
+            if cfg.min_context is None:
+                self.planner.cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
+            return Probe(timings, kernel_timings, from_, check)
+        # where our kernels pay on this machine and model: over every page, then pruned (unless given)
+        cap = min(config.context_len, model_runner.token_to_kv_pool.size)
+        contexts = [n for n in CONTEXTS if n <= cap]
+        layers = config.num_hidden_layers
+        kernel_timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False), contexts)
+        from_ = crossover(kernel_timings)
+        if cfg.min_context is None:
+            timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=True,
+                                                               dense_kernel=from_ is not None and n >= from_),
+                              contexts)
+            found = crossover(timings)
+            self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
+                                                      config.context_len + 1})
+        logger.info("sgl-entropic: pruning from %s tokens, our kernel over every page from %s (ms per step, "
+                    "context: SGLang's loop / ours over every page / ours pruned: %s)",
+                    self.planner.cfg.min_context, from_ if from_ is not None else "no measured context",
+                    ", ".join(f"{k.context}: {k.dense_s * 1e3:.1f}/{k.sparse_s * 1e3:.1f}/"
+                              + (f"{t.sparse_s * 1e3:.1f}" if t else "-")
+                              for k, t in itertools.zip_longest(kernel_timings, timings)))
+        return Probe(timings, kernel_timings, from_, check)
+
+    def _timed_step(self, shape, layers: int, cfg: PruningConfig, n: int, ours: bool, prune: bool,
+                    dense_kernel: bool = False):
+        """One decode step's attention over every layer, for one row of n tokens of synthetic KV: the
+        dense reference (SGLang's own loop, or our kernel over every page where it is faster), or ours
+        (the pruned path: plan, bounds, selection at the budget an unknown entropy gives, attention,
+        the key fold a pruned step does; or, with prune=False, our kernel over every page)."""
+        heads_q, heads_kv, dim, dtype = shape
+        p = cfg.page_size
         pages = -(-n // p)
         k, v = (torch.randn(pages * p, heads_kv, dim).to(dtype) for _ in range(2))
         q, scale = torch.randn(1, heads_q, dim).to(dtype), dim ** -0.5
         out = torch.empty_like(q)
         req_to_token = torch.arange(pages * p, dtype=torch.int32)[None]
         one, seq_lens = torch.zeros(1, dtype=torch.long), torch.tensor([n])
-        if not sparse:
+        page_table = torch.arange(pages)[None]
+        if not ours and not dense_kernel:
             def dense():
                 for _ in range(layers):
                     TorchNativeAttnBackend._run_sdpa_forward_decode(
@@ -231,24 +258,30 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
         store = PageStore(1, pages * p, p, heads_kv, dim, dtype, k.device, 1, with_surprisal=False)
         store.write_keys(0, torch.arange(n), k[:n])
         loc = torch.tensor([n - 1])
+        pruned = ours and prune
 
-        def pruned():
-            page_table = req_to_token[one, : pages * p : p].long() // p
-            row = row_pages(n, math.nan, cfg)  # an unknown entropy keeps the most pages
-            layout = PageLayout.build([row], page_table)
+        def step():
+            rows = [row_pages(n, math.nan, cfg) if pruned else all_pages(n, p)]  # unknown entropy: most pages
+            plan = StepPlan.build(rows, page_table, per_head=cfg.per_head)
             for _ in range(layers):
-                scores = quest_scores(q, store.kmin[0][page_table], store.kmax[0][page_table])
-                logical, _ = layout.select(scores)
-                out.copy_(paged_decode_attention(q, k, v, layout.kept_pages(logical), [row.kept_tokens], p, scale))
-                store.write_keys(0, loc, k[loc])
-        return pruned
+                out.copy_(attend_layer(q, k, v, plan, store.kmin[0], store.kmax[0], scale)[0])
+                if pruned:
+                    store.write_keys(0, loc, k[loc])
+        return step
+
+    # ------------------------------------------------------------------ per step, per layer
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        decode = forward_batch.forward_mode.is_decode()
-        if not decode:
+        self._dense_plan = None
+        if not forward_batch.forward_mode.is_decode():
             self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
-        self.step = self.planner.plan(forward_batch, runtime.current_rows()) if decode else None
+            self.plan = None
+            return
+        from_ = self.probe.dense_kernel_from
+        dense_kernel = from_ is not None and max(forward_batch.seq_lens_cpu.tolist()) >= from_
+        self.plan = self.planner.plan(forward_batch, runtime.current_rows(), dense_kernel)
+        self._batch = forward_batch
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
@@ -256,20 +289,31 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        self._layer = layer if self.step is not None and self.planner.sparse_layer(layer) else None
+        self._layer = layer if self.plan is not None else None
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out
 
+    def _layer_plan(self, layer) -> Optional[StepPlan]:
+        """This layer's plan: the step's, every page (the dense layers of a pruned step), or None (SGLang's loop)."""
+        plan = self.plan
+        if plan is None or not self.planner.plain_layer(layer):
+            return None
+        if self.planner.sparse_layer(layer) or not plan.keep_valid.shape[1]:
+            return plan
+        if self._dense_plan is None:
+            rows = [all_pages(r.length, r.page_size) for r in plan.rows]
+            self._dense_plan = StepPlan.build(rows, plan.page_table, group_tokens=CPU_GROUP_TOKENS)
+        return self._dense_plan
+
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, *args, scaling=None, **kwargs):
-        layer = self._layer
-        if layer is None:  # SGLang's own per-request loop
+        plan = self._layer_plan(self._layer) if self._layer is not None else None
+        if plan is None:  # SGLang's own per-request loop
             return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, *args, scaling=scaling, **kwargs)
-        layout = self.step.layout
-        logical, _ = self.planner.pages(self.step, layer.layer_id, query)
-        pages = layout.kept_pages(logical)
-        kept = [r.kept_tokens for r in layout.rows]
-        output.copy_(paged_decode_attention(query, k_cache, v_cache, pages, kept, layout.page_size, scaling))
+        store = self.planner.store
+        layer_id = self._layer.layer_id
+        out, _ = attend_layer(query, k_cache, v_cache, plan, store.kmin[layer_id], store.kmax[layer_id], scaling)
+        output.copy_(out)
         return output
 
 
@@ -286,7 +330,7 @@ def create_backend(model_runner):
     else:
         backend = EntropicTorchNativeAttnBackend(model_runner, cfg)
     rt.pages = backend.planner.store  # the prompt-scoring hook (surprisal selector) writes into it
-    rt.pruning_from, rt.crossover = backend.planner.cfg.min_context, backend.timings
+    rt.pruning_from, rt.probe = backend.planner.cfg.min_context, backend.probe
     return backend
 
 
@@ -298,6 +342,15 @@ def register_backend() -> None:
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:  # the list SGLang's argparse reads
         ATTENTION_BACKEND_CHOICES.append(BACKEND_NAME)
     register_attention_backend(BACKEND_NAME)(create_backend)
+
+
+def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
+    """CUDA graphs: a decode batch that prunes runs eager (its page counts change every step); every
+    other batch is SGLang's own decision, so steps that do not prune replay the captured graphs."""
+    planner = getattr(graph_runner.attn_backend, "planner", None)
+    if planner is not None and planner.rows(forward_batch, runtime.current_rows()) is not None:
+        return False
+    return original(graph_runner, forward_batch, *args, **kwargs)
 
 
 def around_logits_forward(original, processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):

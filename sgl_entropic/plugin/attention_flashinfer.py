@@ -1,89 +1,240 @@
-"""The meso loop on CUDA: FlashInfer decode over only the kept KV pages (see `attention.py`).
+"""The meso loop on CUDA: FlashInfer, its CUDA graphs kept for every decode step that does not prune.
 
 Imported only on CUDA machines, where FlashInfer is installed (scripts/setup.sh --gpu).
-SGLang's FlashInfer layout lists KV slots (one token per FlashInfer page). A step plans one
-sparse decode wrapper: each row's kept-token count is fixed for the step (the same pages per
-layer, the last one partial), so only the slot list changes per layer: the Triton page-select
-kernel writes the layer's pages, which expand in place into the wrapper's index buffer.
+- A decode batch that does not prune is stock SGLang: `init_forward_metadata_out_graph` and the
+  captured graphs replay as they do without the plugin (the step's KV slots are only noted, to be
+  folded into the page bounds by the next step that prunes).
+- A batch that prunes runs eager: `attention.around_can_run_graph` answers no in SGLang's own
+  `can_run_graph`, since its page counts change every step. Its plan is made once, outside the
+  layers (`FlashInferSparse.begin`): each list's token count is fixed for the step (fixed pages plus
+  `keep` full candidate pages), so one FlashInfer decode plan serves every layer. Per layer, the two
+  selection stages run as Triton kernels reading the store and the KV cache in place
+  (`kernels/page_scores.py`), the top-k on the device, and the layer's kept slots are written into the
+  plan's index buffer; nothing is read back to the host inside the step (the plan's indptr is built on
+  the host from host counts and handed to FlashInfer as a host tensor).
+- One page list per KV head (`per_head`): FlashInfer's decode over lists of one KV head each, the
+  cache viewed as [slots * H_kv, 1, D] and each (row, head) a request of H_q / H_kv query heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
+import math
+from typing import Optional
 
 import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
 from sgl_entropic.config import PruningConfig
-from sgl_entropic.kernels import triton_available
+from sgl_entropic.crossover import CONTEXTS, Timing, crossover
+from sgl_entropic.kernels.page_scores import page_bounds_triton, page_lse_triton
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.attention import UNMEASURED_MIN_CONTEXT, DecodeStep, PagePlanner
+from sgl_entropic.plugin.attention import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
+from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin.self_check import run_self_check
+from sgl_entropic.pruning import StepPlan, all_pages, row_pages, to_device
+
+logger = logging.getLogger("sgl_entropic")
 
 
-@dataclasses.dataclass
-class _SparsePlan:
-    step: DecodeStep
-    page_indptr: torch.Tensor  # [B + 1] int32: each row's slice of the compact page list
-    page_flat: torch.Tensor  # [sum pages] int64: the valid [B, K] layout cells, row by row
-    token_flat: torch.Tensor  # [sum tokens] int64: the real tokens among the pages' expanded slots
-    counts: tuple[torch.Tensor, ...]  # n, sink, recent, keep per row (int32, device)
+class _PerHeadLists:
+    """A decode wrapper whose requests are (row, KV head) lists of one KV head each."""
+
+    def __init__(self, inner, heads_kv: int):
+        self.inner, self.heads_kv = inner, heads_kv
+
+    def forward(self, q, kv_cache, **kwargs):
+        batch, heads_q, dim = q.shape
+        k, v = kv_cache
+        flat = lambda t: t.view(-1, 1, t.shape[-1])  # noqa: E731  [slots * H_kv, 1, D]: slot * H_kv + h
+        out = self.inner.forward(q.view(batch * self.heads_kv, heads_q // self.heads_kv, dim), (flat(k), flat(v)),
+                                 **kwargs)
+        return out.view(batch, heads_q, -1)
+
+
+class FlashInferSparse:
+    """One pruned decode step on FlashInfer: the plan (`begin`), each layer's selection (`select`)."""
+
+    def __init__(self, workspace, heads: tuple[int, int, int], data_types: tuple, page_size: int, per_head: bool,
+                 backend: str = "auto", use_tensor_cores: bool = False):
+        self.wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=backend,
+                                                          use_tensor_cores=use_tensor_cores)
+        self.heads_q, self.heads_kv, self.head_dim = heads
+        self.q_type, self.kv_type = data_types
+        self.page_size, self.per_head = page_size, per_head
+        self.decoder = _PerHeadLists(self.wrapper, self.heads_kv) if per_head else self.wrapper
+        self.plan: Optional[StepPlan] = None
+
+    def begin(self, plan: StepPlan) -> None:
+        """Plan FlashInfer once for the step: list (row, or row and KV head) r holds its fixed tokens, then
+        its kept pages' tokens; the fixed part of the index buffer is written here, once per step."""
+        p, rows = self.page_size, plan.rows
+        lists = self.heads_kv if self.per_head else 1
+        device = plan.page_table.device
+        counts = [r.kept_tokens for r in rows for _ in range(lists)]  # host values: nothing read back
+        offsets = [0, *itertools.accumulate(counts)]
+        total = offsets[-1]
+        # one scratch entry past the lists: the target of every padding write
+        self.indices = torch.empty(total + 1, dtype=torch.int32, device=device)
+        starts = to_device([offsets[b * lists : (b + 1) * lists] for b in range(len(rows))], device)  # [B, L]
+        fixed = to_device([r.kept_tokens - r.keep * p for r in rows], device)[:, None, None]  # real fixed tokens
+        keep = to_device([r.keep * p for r in rows], device)[:, None, None]
+        # fixed token i of list (b, l) goes to start + i, kept token i to start + fixed + i; padding to scratch
+        i = torch.arange(plan.fixed_tokens.shape[1] * p, device=device)
+        f_dest = torch.where(i < fixed, starts[..., None] + i, total)
+        i = torch.arange(plan.keep_valid.shape[1] * p, device=device)
+        self.k_dest = torch.where(i < keep, starts[..., None] + fixed + i, total).flatten()
+        fixed_slots = (plan.fixed_pages[:, :, None] * p + torch.arange(p, device=device)).flatten(1)  # [B, F * p]
+        self.indices.index_put_((f_dest.flatten(),), self._flat(fixed_slots[:, None].expand(-1, lists, -1))
+                                .flatten().to(torch.int32))
+        # indptr and last page lengths as host tensors: FlashInfer plans from host copies, no read back
+        indptr = torch.tensor(offsets, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.wrapper.plan(indptr, self.indices[:total], torch.ones(len(counts), dtype=torch.int32),
+                          self.heads_q // lists, self.heads_kv // lists, self.head_dim, 1,
+                          q_data_type=self.q_type, kv_data_type=self.kv_type)
+        self.plan = plan
+        self.page_table_i32 = plan.page_table.to(torch.int32)  # once per step, read by every layer
+
+    def _flat(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots [B, L, X] -> FlashInfer page ids: the slot, or slot * H_kv + h for per-head lists."""
+        if not self.per_head:
+            return slots
+        return slots * self.heads_kv + torch.arange(self.heads_kv, device=slots.device)[None, :, None]
+
+    def select(self, q: torch.Tensor, k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """This layer's kept pages (logical `[B, L, K]`), their slots written into the plan's index buffer."""
+        plan, p = self.plan, self.page_size
+        batch = q.shape[0]
+        q = q.view(batch, self.heads_q, self.head_dim)
+        if plan.chosen is not None:
+            kept = plan.chosen
+        else:
+            bound = page_bounds_triton(q, kmin, kmax, self.page_table_i32, self.per_head)
+            bound = bound.masked_fill(~plan.candidate[:, None], -math.inf)
+            k_cols = plan.keep_valid.shape[1]
+            if plan.two_stage:
+                short = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices
+                phys = plan.page_table.gather(1, short.flatten(1)).view_as(short)
+                lse = page_lse_triton(q, k_cache, phys, p, scale)  # [B, H_kv, G, S]
+                lse = lse.masked_fill(~plan.shortlist_valid[:, None, None], -math.inf)
+                mass = torch.softmax(lse, dim=-1).sum(dim=2)  # [B, H_kv, S]
+                mass = mass if self.per_head else mass.sum(dim=1, keepdim=True)
+                pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(k_cols, dim=-1).indices
+                kept = short.gather(-1, pick)
+            else:
+                kept = bound.topk(k_cols, dim=-1).indices
+        phys = plan.page_table.gather(1, kept.flatten(1)).view_as(kept)
+        slots = (phys[..., None] * p + torch.arange(p, device=phys.device)).flatten(2)  # [B, L, K * p]
+        lists = self.heads_kv if self.per_head else 1
+        self.indices.index_put_((self.k_dest,), self._flat(slots.expand(-1, lists, -1)).flatten().to(torch.int32))
+        return kept
+
+    def attend(self, q, k_cache, v_cache, plan: StepPlan, kmin, kmax, scale: float):
+        """The whole pruned layer on given tensors, as `pruning.attend_layer` (the self-check calls it)."""
+        self.begin(plan)
+        kept = self.select(q, k_cache, kmin, kmax, scale) if plan.keep_valid.shape[1] else None
+        out = self.decoder.forward(q.contiguous(), (k_cache, v_cache), sm_scale=scale)
+        return out.view(q.shape[0], self.heads_q, -1), kept
 
 
 class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
-    """FlashInfer with page-sparse decode (CUDA, without CUDA graphs: the plan changes every step)."""
+    """FlashInfer with page-sparse decode for the batches that prune (CUDA)."""
 
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner, init_new_workspace=model_runner.init_new_workspace)
-        if cfg.min_context is None:
-            cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
         self.planner = PagePlanner(model_runner, cfg)
-        self.timings = []
-        self.sparse_wrapper = BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace_buffer, "NHD", backend=self.decode_backend, use_tensor_cores=self.decode_use_tensor_cores
-        )
         updater = self.indices_updater_decode
         self._heads = (updater.num_qo_heads, updater.num_kv_heads, updater.head_dim)
-        self.sparse: _SparsePlan | None = None
+        self.sparse = FlashInferSparse(self.workspace_buffer, self._heads, (updater.q_data_type, updater.data_type),
+                                       cfg.page_size, cfg.per_head, self.decode_backend, self.decode_use_tensor_cores)
+        self.pruned = False
         self.dense_metadata = self.sparse_metadata = None
+        self.probe = self._start_up(model_runner, cfg)
+
+    def _start_up(self, model_runner, cfg: PruningConfig) -> Probe:
+        """The self-check, then the crossover timed on this device: FlashInfer's dense decode against the
+        pruned path, one row of synthetic KV (CUDA graphs aside: both run eager here)."""
+        _, _, dim = self._heads
+        dtype = self.indices_updater_decode.data_type
+        check = run_self_check(self.sparse.attend, *self._heads, dtype, cfg, device=model_runner.device)
+        if not check.ok:
+            self.planner.disable(check.error)
+            return Probe([], [], None, check)
+        timings = []
+        if cfg.min_context is None and model_runner.server_args.tp_size > 1:
+            self.planner.cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
+        elif cfg.min_context is None:
+            config = model_runner.model_config
+            cap = min(config.context_len, model_runner.token_to_kv_pool.size)
+            timings = [self._time(n, cfg, config.num_hidden_layers, dtype, model_runner.device)
+                       for n in CONTEXTS if n <= cap]
+            found = crossover(timings)
+            self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
+                                                      config.context_len + 1})
+            logger.info("sgl-entropic: pruning pays from %s tokens on this GPU (dense/sparse ms per step: %s)",
+                        found, ", ".join(f"{t.context}: {t.dense_s * 1e3:.2f}/{t.sparse_s * 1e3:.2f}" for t in timings))
+        return Probe(timings, [], None, check)
+
+    def _time(self, n: int, cfg: PruningConfig, layers: int, dtype, device) -> Timing:
+        heads_q, heads_kv, dim = self._heads
+        p = cfg.page_size
+        pages = -(-n // p)
+        k, v = (torch.randn(pages * p, heads_kv, dim, device=device).to(dtype) for _ in range(2))
+        q = torch.randn(1, heads_q, dim, device=device).to(dtype)
+        store = PageStore(1, pages * p, p, heads_kv, dim, dtype, device, 1, with_surprisal=False)
+        store.write_keys(0, torch.arange(n, device=device), k[:n])
+        table = torch.arange(pages, device=device)[None]
+        dense = FlashInferSparse(self.workspace_buffer, self._heads, (dtype, dtype), p, False)
+
+        def run(rows):
+            def step():
+                plan = StepPlan.build(rows, table, per_head=cfg.per_head)
+                for _ in range(layers):
+                    (self.sparse if rows[0].keep else dense).attend(q, k, v, plan, store.kmin[0], store.kmax[0],
+                                                                    dim ** -0.5)
+                torch.cuda.synchronize()
+            return step
+
+        from sgl_entropic.crossover import best_time
+
+        return Timing(n, best_time(run([all_pages(n, p)]), 2), best_time(run([row_pages(n, math.nan, cfg)]), 2))
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.sparse = None
+        self.pruned = False
         if not forward_batch.forward_mode.is_decode():
             self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
             return
         if len(self.decode_wrappers) != 1:
+            self.planner.note_dense_step(forward_batch)
             return  # cross-attention / SWA layouts (own wrappers): dense
-        step = self.planner.plan(forward_batch, runtime.current_rows())
-        if step is None:
+        plan = self.planner.plan(forward_batch, runtime.current_rows())
+        if plan is None:
             return
-        layout, device = step.layout, forward_batch.seq_lens.device
-        rows = layout.rows
-        host = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        page_indptr, token_indptr = (torch.cat([host([0]), host(x).cumsum(0)]).to(device, torch.int32)
-                                     for x in ([r.read_pages for r in rows], [r.kept_tokens for r in rows]))
-        self.sparse = _SparsePlan(
-            step, page_indptr, layout.compact_cells.to(device), layout.compact_tokens.to(device),
-            tuple(host([getattr(r, f) for r in rows]).to(device) for f in ("n", "sink", "recent", "keep")),
-        )
-        # sized from the host counts: reading token_indptr[-1] back would sync with the device
-        indices = torch.empty(sum(r.kept_tokens for r in rows), dtype=torch.int32, device=device)
-        num_qo, num_kv, head_dim = self._heads
-        self.sparse_wrapper.begin_forward(
-            token_indptr, indices, torch.ones(len(rows), dtype=torch.int32, device=device),
-            num_qo, num_kv, head_dim, 1,
-            data_type=self.indices_updater_decode.data_type, q_data_type=self.indices_updater_decode.q_data_type,
-        )
+        self.sparse.begin(plan)
+        self.pruned = True
         self.dense_metadata = self.forward_metadata
-        self.sparse_metadata = dataclasses.replace(self.forward_metadata, decode_wrappers=[self.sparse_wrapper])
+        self.sparse_metadata = dataclasses.replace(self.forward_metadata, decode_wrappers=[self.sparse.decoder])
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Graph capture and replay: only batches that do not prune get here (around_can_run_graph)."""
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self.pruned = False
+        if forward_batch.forward_mode.is_decode() and not in_capture:
+            self.planner.note_dense_step(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        sparse = self.sparse is not None and self.planner.sparse_layer(layer)
-        if self.sparse is not None:
+        sparse = self.pruned and self.planner.sparse_layer(layer)
+        if self.pruned:
             self.forward_metadata = self.sparse_metadata if sparse else self.dense_metadata
         if sparse:
-            self._write_layer_slots(layer, q)
+            store = self.planner.store
+            self.sparse.select(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id), store.kmin[layer.layer_id],
+                               store.kmax[layer.layer_id], layer.scaling)
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out
@@ -92,20 +243,3 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out
-
-    def _write_layer_slots(self, layer, q) -> None:
-        """This layer's kept pages, expanded to KV slots, into the index buffer the plan reads."""
-        plan, p = self.sparse, self.planner.cfg.page_size
-        step, layout = plan.step, plan.step.layout
-        queries = q.view(q.shape[0], self._heads[0], self._heads[2])
-        if step.fixed is None and not step.reuse and triton_available():
-            from sgl_entropic.kernels.page_select import page_select_triton
-
-            store = self.planner.store
-            _, pages = page_select_triton(queries, store.kmin[layer.layer_id], store.kmax[layer.layer_id],
-                                          layout.page_table, *plan.counts, plan.page_indptr)
-        else:
-            logical, _ = self.planner.pages(step, layer.layer_id, queries)
-            pages = layout.physical(logical).flatten()[plan.page_flat]
-        slots = (pages.long()[:, None] * p + torch.arange(p, device=pages.device)).flatten()[plan.token_flat]
-        self.sparse_wrapper._paged_kv_indices_buf[: slots.numel()].copy_(slots)

@@ -29,6 +29,12 @@ class PageStore:
             # written when a request samples, read when that token enters the KV cache next step
             self.next_surprisal = torch.full((num_req_slots,), math.nan, dtype=torch.float32, device=device)
 
+    @property
+    def nbytes(self) -> int:
+        """What the store holds beside the KV pool (taken out of its budget: around_config_from_budget)."""
+        extra = [t for t in (self.slot_surprisal, self.next_surprisal) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, *extra))
+
     def write_keys(self, layer_id: int, locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold the keys just written at KV slots `locs` into their pages' min and max.
 
@@ -91,3 +97,18 @@ class PageStore:
 
 # Rows of prompt logits computed at once when scoring a prefill (bounds the [rows, vocab] buffer).
 _PROMPT_LOGITS_ROWS = 512
+
+
+def store_share(page_size: int) -> float:
+    """The page store's bytes per KV-pool byte: key min and max per page (2 vectors) against K and V
+    per token (2 vectors a token), so 1 / page_size."""
+    return 1.0 / page_size
+
+
+def around_config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
+    """The KV pool is sized from a memory budget: the page store comes out of the same budget, so the
+    pool shrinks by the store's bytes (an explicit --max-total-tokens below the budget still stands)."""
+    from sgl_entropic.plugin import runtime
+
+    share = store_share(runtime.current().config.pruning.page_size)
+    return original(configurator, int(budget_bytes / (1.0 + share)), *args, **kwargs)

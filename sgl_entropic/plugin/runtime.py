@@ -10,6 +10,7 @@ serves and the admissions are counted, never timed (`sgl_entropic.scheduling`).
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -36,7 +37,6 @@ class RequestState:
     mirostat: Optional[MirostatState] = None
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
-    last_surprisal: float = float("nan")  # of the last sampled token (nats), for the pruning loop
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Runtime:
     controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
-    crossover: list = field(default_factory=list)  # its start-up timings (sgl_entropic.crossover.Timing)
+    probe: Any = None  # its start-up pass: self-check, crossover timings (attention.Probe)
     # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
     served: float = 0.0
     arrivals: int = 0
@@ -61,6 +61,7 @@ class Runtime:
     # while SGLang runs one decode step (update_running_batch -> run_batch).
     rows: Any = None
     forward_batch: Any = None
+    pending: deque = field(default_factory=deque)  # sampled steps whose traces are on their way to the host
     defer_prepare: bool = False
     split: Any = None
     # HTTP process: OpenAI streams waiting for their traces, by request id (openai_ext.py)

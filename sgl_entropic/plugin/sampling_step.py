@@ -5,9 +5,12 @@ batch is being sampled) and `Sampler.forward` (where the distribution is actuall
 
 Controller state lives on the model's device in a `ControllerTable`, one column per
 request-pool slot, read and written by index; a request's parameters are uploaded once, when
-it first samples in a slot. A step makes one device -> host transfer: the rows' entropy,
-surprisal, validity, temperature (and Mirostat mu), which feed the traces and refresh the
-host copy in `RequestState` (from which a retracted request resumes in its next slot).
+it first samples in a slot, from pinned memory without blocking. A step makes one device -> host
+transfer, issued without blocking into pinned memory: the rows' entropy, surprisal, validity,
+temperature (and Mirostat mu). It is read where SGLang processes that batch's result
+(`Scheduler.process_batch_result`, `before_process_batch_result`), so under the overlap scheduler
+the host never waits for the step it just launched; there the values feed the traces and refresh
+the host copy in `RequestState` (from which a retracted request resumes in its next slot).
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ class BatchRows:
     produces: list[bool]
     states: list[Optional[RequestState]]
     decode: bool = True  # a decode step (else prefill/extend: no decode-budget wait precedes its token)
-    attended: Optional[list[float]] = None  # share of its context each row read, set by a pruned plan
+    attended: Optional[list[float]] = None  # share of its context each row attended, set by a pruned plan
+    read: Optional[list[float]] = None  # share of its context's KV each row read (with the rescored keys)
+    forward_iter: Optional[int] = None  # SGLang's number of the batch: its result is processed by it
 
     @classmethod
-    def of(cls, reqs: Sequence, produces: Sequence[bool], decode: bool = True) -> "BatchRows":
+    def of(cls, reqs: Sequence, produces: Sequence[bool], decode: bool = True,
+           forward_iter: Optional[int] = None) -> "BatchRows":
         states = [getattr(r, "entropic", None) if p else None for r, p in zip(reqs, produces)]
-        return cls(list(reqs), list(produces), states, decode)
+        return cls(list(reqs), list(produces), states, decode, forward_iter=forward_iter)
 
     def drop_released(self) -> None:
         """Under the overlap scheduler a request can finish, and SGLang free its request slot, while
@@ -77,9 +83,9 @@ class ControllerTable:
         if not todo:
             return
         table, names = (self.entropic, CONTROLLER_FIELDS) if kind == "controller" else (self.mirostat, MIROSTAT_FIELDS)
-        values = torch.tensor([[float(getattr(getattr(s, kind), n)) for n in names] for _, s in todo])
-        idx = torch.tensor([slot for slot, _ in todo])
-        table[:, idx.to(table.device)] = values.t().to(table.device)
+        values = to_device([[float(getattr(getattr(s, kind), n)) for n in names] for _, s in todo], table.device,
+                           torch.float32)
+        table[:, to_device([slot for slot, _ in todo], table.device)] = values.t()
         for slot, s in todo:
             self._holder[slot] = s.arrival_seq
 
@@ -130,11 +136,11 @@ class SamplingStep:
 
     @staticmethod
     def _index(positions: list[int], req_pool_indices: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.tensor(positions, device=device)
+        pos = to_device(positions, device)
         return pos, req_pool_indices.to(device).index_select(0, pos).long()
 
-    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, rt: Runtime, seq_lens: list[int]) -> TokenStats:
-        """Measure the sampled rows, then update traces and host state from one transfer."""
+    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int]) -> tuple[TokenStats, "PendingRecord"]:
+        """Measure the sampled rows on the device and start their one transfer to the host (not waited for)."""
         stats = token_stats(snapshot, token_ids, self.inv_request_t)
         columns = [stats.entropy, stats.surprisal, stats.valid.float(), self.used_t]
         if self.mirostat_rows:
@@ -142,8 +148,43 @@ class SamplingStep:
             new_mu = self.mirostat.update(self.mirostat_logits, token_ids.index_select(0, pos))
             self.table.mirostat[0].index_copy_(0, slots, new_mu)
             columns.append(torch.full_like(stats.entropy, math.nan).index_copy(0, pos, new_mu))
-        host = torch.stack(columns).tolist()  # the step's one device -> host transfer
+        values = torch.stack(columns)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        host.copy_(values, non_blocking=True)  # the step's one device -> host transfer
+        ready = None
+        if values.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        # the decode budget sets the next step's counts before this one finishes (overlap scheduler)
+        parked = [s.parked_before_token if s is not None else 0 for s in self.rows.states]
+        return stats, PendingRecord(self.rows, host, ready, seq_lens, parked)
+
+
+def to_device(values: list, device, dtype=torch.long) -> torch.Tensor:
+    """A host list on `device` without blocking: through pinned memory when the device is a GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class PendingRecord:
+    """A sampled step's values on their way to the host, and what its bookkeeping needs."""
+
+    rows: BatchRows
+    host: torch.Tensor  # [columns, B] (pinned on a GPU), filled by a non-blocking copy
+    ready: Optional[object]  # the CUDA event after the copy (None on CPU: the copy is done)
+    seq_lens: list[int]
+    parked: list[int]  # each row's decode-budget wait before this token, as it was when sampled
+
+    def finish(self, rt: Runtime) -> None:
+        """Traces, host state, gain memory and metrics of the step, once its values are on the host."""
+        if self.ready is not None:
+            self.ready.synchronize()  # already done where SGLang has read the batch's tokens
+        host = self.host.tolist()  # a host tensor: no device read
         entropy, surprisal, valid, used_t = host[:4]
+        seq_lens = self.seq_lens
 
         attended = self.rows.attended
         step_tau = step_flops = 0.0
@@ -155,7 +196,7 @@ class SamplingStep:
                 state.controller.temperature = used_t[i]
                 state.controller.steps_done += 1
                 temperatures.append(used_t[i])
-            if state.mirostat is not None:
+            if state.mirostat is not None and len(host) > 4:
                 state.mirostat.mu = host[4][i]
             if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
                 state.decode_skips = state.parked_before_token = 0
@@ -164,30 +205,26 @@ class SamplingStep:
             fraction = attended[i] if attended is not None else 1.0
             if self.rows.decode:
                 fractions.append(fraction)
-                parked += state.parked_before_token
+                parked += self.parked[i]
             if ok:
-                cost = step_cost(rt.dims, seq_lens[i] * fraction)
+                cost = step_cost(rt.dims, seq_lens[i] * (self.rows.read[i] if self.rows.read is not None else fraction))
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
                 state.gain.observe(entropy[i])
-                state.last_surprisal = surprisal[i]
                 measured.append(entropy[i])
-            else:
-                state.last_surprisal = math.nan
             # null marks a step whose logits were not finite (nothing measured, tau unchanged)
             append_customized(
                 self.rows.reqs[i],
                 entropy=entropy[i] if ok else None,
                 surprisal=surprisal[i] if ok else None,
                 temperature=used_t[i],
-                parked=state.parked_before_token,
+                parked=self.parked[i],
                 attended=fraction,
                 _entropic_time=trace.tau,
                 _entropic_efficiency=trace.efficiency,
             )
         if rt.metrics is not None:
             rt.metrics.observe(measured, step_tau, step_flops, fractions, temperatures, parked)
-        return stats
 
 
 def append_customized(req, **values) -> None:
@@ -212,7 +249,7 @@ def after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
         produces = [n >= len(r.origin_input_ids) + len(r.output_ids) for n, r in zip(seq_lens, reqs)]
     # The batch the model runs next (SGLang hands its attention backend a copy of the ForwardBatch,
     # so the rows live in the Runtime, not on the batch object).
-    rt.rows = BatchRows.of(reqs, produces, decode)
+    rt.rows = BatchRows.of(reqs, produces, decode, getattr(batch, "forward_iter", None))
     return forward_batch
 
 
@@ -243,9 +280,27 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
     try:
-        stats = step.record(snapshot, token_ids, rt, fb.seq_lens_cpu.tolist())
+        stats, pending = step.record(snapshot, token_ids, fb.seq_lens_cpu.tolist())
+        rt.pending.append(pending)
         if rt.pages is not None:
             rt.pages.record_sampled(fb.req_pool_indices, rows.produces, stats)
     except Exception:
         logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
     return token_ids
+
+
+def before_process_batch_result(scheduler, batch, *args, **kwargs):
+    """Finish the sampled steps up to this batch (the overlap scheduler has launched the next one
+    already: its record stays pending), before SGLang sends the batch's tokens with their traces."""
+    finish_pending(runtime.current(), getattr(batch, "forward_iter", None))
+
+
+def finish_pending(rt: Runtime, forward_iter: Optional[int] = None) -> None:
+    """Finish pending records in order, those of batches up to `forward_iter` (None: all)."""
+    while rt.pending and (forward_iter is None or rt.pending[0].rows.forward_iter is None
+                          or rt.pending[0].rows.forward_iter <= forward_iter):
+        pending = rt.pending.popleft()
+        try:
+            pending.finish(rt)
+        except Exception:
+            logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")

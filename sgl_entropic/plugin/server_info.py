@@ -8,6 +8,7 @@ request states and KV in use, for leak checks.
 from __future__ import annotations
 
 import gc
+import itertools
 
 from sgl_entropic.plugin import hooks, runtime
 from sgl_entropic.plugin.validation import ENTROPIC_KEY
@@ -30,11 +31,18 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
         result[ENTROPIC_KEY]["scheduling"] = applied_order(rt, scheduler)
         if rt.config.scheduling.order == "entropic":
             result["schedule_policy"] = "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
-    if rt.config.pruning_on:
+    if rt.config.pruning_on and rt.probe is not None:
+        probe = rt.probe
         result[ENTROPIC_KEY]["pruning"] = {
             "min_context": rt.pruning_from,  # rows shorter than this attend densely
-            "crossover_ms": [{"context": t.context, "dense": t.dense_s * 1e3, "sparse": t.sparse_s * 1e3}
-                             for t in rt.crossover],
+            "dense_kernel_from": probe.dense_kernel_from,  # where our kernel serves steps that do not prune
+            "self_check": probe.check.as_json(),
+            # one decode step's attention over every layer, ms: SGLang's dense loop, our kernel over every
+            # page, our pruned path (against the better dense one)
+            "crossover_ms": [{"context": k.context, "dense": k.dense_s * 1e3, "kernel_all_pages": k.sparse_s * 1e3,
+                              "pruned": t.sparse_s * 1e3 if t else None}
+                             for k, t in itertools.zip_longest(probe.kernel_timings, probe.timings)],
+            "page_store_bytes": rt.pages.nbytes if rt.pages is not None else 0,
         }
     return result
 
