@@ -85,13 +85,32 @@ class SamplingConfig(_Section):
 
 
 class SchedulingConfig(_Section):
-    """Macro loop: pi(s) = E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s), with aging."""
+    """Macro loop: pi(s) = min(E[dH_s], max_gain) / (alpha*C_s + beta*M_s + gamma*L_s), with aging.
 
-    alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of next-step compute")
+    Work units: one prefill token is one unit, one decode token `decode_weight` units. C is a
+    request's expected remaining work and the scheduler's clock is the work served (identical on
+    every tensor-parallel rank); `sgl_entropic/scheduling.py` defines each term.
+    """
+
+    order: Literal["entropic", "sglang"] = Field(
+        "entropic", description="who orders the waiting queue and the decode retraction: entropic (pi with "
+        "aging, SGLang's request priorities first), or sglang (its --schedule-policy / --retraction-policy)")
+    alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of the remaining work C")
     beta: float = Field(1.0, ge=0.0, le=1e6, description="weight of KV pages held")
-    gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of latency risk")
+    gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of the latency slack")
     gain_ema: float = Field(0.8, ge=0.0, lt=1.0, description="EMA decay of observed entropy drops")
-    latency_target_s: float = Field(10.0, gt=0.0, le=1e6)
+    max_gain: float = Field(
+        1.0, gt=0.0, le=100.0, description="nats: every request starts at this E[dH] and is never credited more")
+    # 14: on a 2-core x86 CPU (fp32, SmolLM2-135M) a prefill token took 2.75 ms and a decode step of
+    # 4 requests 148 ms, 37 ms per decode token (README "Scheduling"); set it for other hardware.
+    decode_weight: float = Field(
+        14.0, gt=0.0, le=1e6, description="work units of one decode token (one prefill token is 1)")
+    expected_output_tokens: int = Field(
+        256, ge=1, le=10_000_000, description="output expected of a request that may stop at EOS (capped by "
+        "its max_new_tokens)")
+    max_wait: float = Field(
+        8_000.0, gt=0.0, le=1e12, description="work units served after a request's arrival that make it "
+        "overdue (then FIFO ahead of all others)")
     decode_budget: Optional[int] = Field(None, ge=1, le=100_000, description="max requests decoded per step")
     max_skip_steps: int = Field(4, ge=1, le=10_000, description="a running request decodes at least every N steps")
 

@@ -65,21 +65,48 @@ def check_sglang_version(parser: argparse.ArgumentParser) -> None:
                      f"install sglang=={SUPPORTED_SGLANG}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway")
 
 
-def map_schedule_policy(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
-    """SGLang's --schedule-policy choices are fixed: `entropic` is ours, the macro loop on top of fcfs."""
-    if _flag_value(rest, "--schedule-policy") != "entropic":
-        return rest
-    if not config.scheduling_on:
-        parser.error(f"--schedule-policy entropic needs the scheduling loop, but --entropic is {config.mode}")
+def map_schedule_policy(
+    rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser
+) -> tuple[list[str], EntropicConfig]:
+    """Who orders the queues: the user's choices first.
+
+    `--schedule-policy entropic` (ours; SGLang's choices are fixed) is the macro loop over SGLang's
+    fcfs. With the scheduling loop on, a --schedule-policy or --retraction-policy the user names
+    is kept, and the loop leaves both orders to SGLang (scheduling.order = "sglang"; its decode
+    budget still runs). Asking for both orders at once exits with code 2, naming both flags.
+    """
+    policy, retraction = _flag_value(rest, "--schedule-policy"), _flag_value(rest, "--retraction-policy")
+    order_set = "order" in config.scheduling.model_fields_set
+    order = config.scheduling.order
+    if policy == "entropic":
+        if not config.scheduling_on:
+            parser.error(f"--schedule-policy entropic needs the scheduling loop, but --entropic is {config.mode}")
+        if order_set and order != "entropic":
+            parser.error(f"--schedule-policy entropic contradicts --entropic-config scheduling.order {order!r}")
+        if retraction is not None:
+            parser.error(f"--schedule-policy entropic orders the retraction too; drop --retraction-policy {retraction}")
+        return _drop_flag(rest, "--schedule-policy") + ["--schedule-policy", "fcfs"], config
+    named = [f"{flag} {value}" for flag, value in (("--schedule-policy", policy), ("--retraction-policy", retraction))
+             if value is not None]
+    if not config.scheduling_on or not named:
+        return rest, config
+    if order_set and order == "entropic":
+        parser.error(f"{named[0]} and --entropic-config scheduling.order 'entropic' both order the queue: "
+                     f"drop one of them")
+    scheduling = config.scheduling.model_copy(update={"order": "sglang"})
+    return rest, config.model_copy(update={"scheduling": scheduling})
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
     out, skip = [], False
-    for a in rest:
+    for a in argv:
         if skip:
             skip = False
-        elif a == "--schedule-policy":
+        elif a == flag:
             skip = True
-        elif not a.startswith("--schedule-policy="):
+        elif not a.startswith(flag + "="):
             out.append(a)
-    return out + ["--schedule-policy", "fcfs"]
+    return out
 
 
 def select_attention_backend(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
@@ -159,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     own, rest = parser.parse_known_args(argv)
     config = build_config(own.entropic, own.entropic_config, parser)
     check_sglang_version(parser)
-    rest = map_schedule_policy(rest, config, parser)
+    rest, config = map_schedule_policy(rest, config, parser)
     rest = select_attention_backend(rest, config, parser)
     refuse_unsafe_kv_paths(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.

@@ -5,104 +5,72 @@ they return indices/masks and never touch SGLang objects.  Everything is a deter
 function of its arguments -- no randomness, no wall clock, no dict/set iteration order -- so
 every tensor-parallel rank computes the same schedule from the same views.
 
-Priority (the paper's formula, read literally)
-==============================================
+Priority
+========
 
-    pi(s) = E[dH_s] / max(alpha*C_s + beta*M_s + gamma*L_s, MIN_DENOMINATOR)
+    pi(s) = min(E[dH_s], g_max) / max(alpha*C_s + beta*M_s + gamma*L_s, MIN_DENOMINATOR)
 
-expected entropy reduction per unit of compute, KV memory and latency risk.  The terms:
+expected entropy reduction per unit of remaining work, KV memory and latency slack.
 
-``E[dH_s]`` -- :class:`GainEstimator`, one per request, in nats per step.
-    Observed gain of a step: the positive entropy drop ``d_t = max(0, H_{t-1} - H_t)``.
-    ``E[dH]`` is an EMA with decay ``d = cfg.gain_ema``: ``g_k = d*g_{k-1} + (1-d)*d_k``,
-    started at a prior ``g_0``.  The first ``observe`` only records ``H`` (there is no drop
-    without a previous entropy), so the prior stands until the second observation.
-    Prior (:func:`initial_gain`): the E[dH] last seen for the same first prompt tokens
-    (:class:`GainMemory`: the previous turn of a conversation, or requests over the same
-    system prompt); else :func:`prior_gain`, ``g_0 = 0.5 * mu`` where ``mu`` is the mean step
-    entropy expected: the request's target H* when its sampling controller holds it there,
-    or the mean surprisal of the prompt tokens in nats when a caller knows it, else
-    ``DEFAULT_MEAN_ENTROPY_NATS = 2.0`` (the default target entropy H* of the sampling
-    loop).  Why 0.5: for a calibrated model E[H_t] equals the expected surprisal, so ``mu``
-    estimates the mean step entropy; if step entropies were i.i.d. exponential with mean
-    ``mu`` (a fair first model of LM entropies: nonnegative, spread ~ mean), then
-    ``H_{t-1} - H_t`` is Laplace(0, mu) and ``E[max(0, H_{t-1} - H_t)] = mu / 2``.  Real
-    entropies are autocorrelated, so this over-estimates a little; it is only a prior and
-    its weight decays as ``d**k`` after ``k`` observed drops.
+``E[dH_s]`` -- :class:`GainEstimator`: an EMA (decay ``cfg.gain_ema``) of the positive entropy
+    drops ``max(0, H_{t-1} - H_t)`` of the request's own decode steps, started at
+    ``g_max = cfg.max_gain``.  A waiting request has no decode steps, so every waiting request
+    has ``E[dH] = g_max``: nothing a request sends (its target entropy, its temperature) and
+    nothing other requests over the same prompt did sets its priority.  The cap ``g_max`` means
+    a request's own entropy can only lower its priority (a resolved request, with small
+    drops, yields to the others), never raise it above what the server's config allows.
 
-``C_s`` -- compute of the next step: ``view.step_cost / scales.cost_ref_gflop``.
-    ``step_cost`` is in GFLOP and computed by the runtime (one decode token for a running
-    request, the prefill of the uncached prompt for a waiting one).  The runtime should set
-    ``cost_ref_gflop`` to the GFLOP of one decode token of the served model, so that C is
-    in "token equivalents" (a decode step has C ~ 1, a 500-token prefill C ~ 500).
+``C_s`` -- expected remaining work, in *work units* (one unit = one prefill token):
+    ``view.work = uncached prompt tokens + decode_weight * expected remaining output tokens``
+    (:func:`remaining_work`).  ``decode_weight`` is what one decode token costs the server in
+    prefill-token equivalents (a config constant, so all ranks agree).  The remaining output is
+    exact under ``ignore_eos`` (``max_new_tokens`` minus what is generated); otherwise
+    ``min(tokens left under max_new_tokens, cfg.expected_output_tokens)``.  Serving the
+    smallest remaining work first is the SRPT rule, latency-optimal when work is known.
 
-``M_s`` -- KV memory: ``view.kv_pages / scales.kv_ref_pages``.
-    ``kv_pages`` is what the request holds now (running: its pages; waiting: 0, or its
-    cached prefix as the view reports it).  The runtime should set ``kv_ref_pages`` to the
-    KV pool size in pages (identical on every TP rank), so M is the fraction of the pool.
+``M_s`` -- KV memory: ``view.kv_pages / scales.kv_ref_pages``, the fraction of the KV pool the
+    request holds (0 while waiting).
 
-``L_s`` -- latency term, defined as the request's remaining latency *slack*:
+``L_s`` -- remaining latency slack, ``max(0, 1 - age_s / A)`` with ``A = cfg.max_wait``.  As a
+    request ages, L falls and pi rises.  (The paper puts a "latency risk" here; a risk that
+    grows with waiting would, in the denominator, push the requests nearest their deadline
+    back, so the slack is the term oriented the right way.)
 
-        L_s = max(0, 1 - w_s / A),     A = age_limit_steps(cfg, scales)
-            = ceil(cfg.latency_target_s / scales.step_time_s)
+Age: the scheduler's clock is *work served*
+===========================================
 
-    where ``w_s = view.waited_steps`` and ``step_time_s`` is a *nominal* (constant, not
-    measured) step duration, so the key never reads a rank-local clock.  Honest note: the
-    paper calls L "latency risk" and puts it in the denominator.  A risk that grows with
-    waiting would, in the denominator, push the requests closest to missing their target
-    to the back -- backwards for a latency SLO.  We therefore read L as the latency cost of
-    serving ``s`` *now rather than the others*: a request with its whole budget left
-    (L = 1) can be deferred at no SLO risk, so serving it spends budget of requests that
-    are nearer their deadline; a request at its target (L = 0) costs nothing to serve
-    early.  With this reading the formula is kept literally and the term is oriented the
-    right way: as a request waits, L falls and pi rises.  For a running request
-    ``waited_steps`` counts skipped decode steps, normally 0, so L = 1 is a constant there.
+``age_s`` is the work the server has served (prefill tokens, plus ``decode_weight`` per decode
+token) since the request *first* arrived.  Why not wall time: every tensor-parallel rank must
+take identical decisions, and each rank's clock differs; the tokens of each forward batch are
+the same on every rank.  Why not forward steps: a step may carry one decode token or a
+thousand-token prefill.  Work served tracks wall time as well as the cost weights do
+(``benchmarks/scheduling_policies.py`` reports the units served per second), and it is counted
+from the first arrival, so a request retracted and re-queued keeps its age: it comes back
+overdue or nearly so, and its total wait stays bounded.
 
-``MIN_DENOMINATOR = 1e-9`` keeps pi finite when every weighted term is 0 (e.g. gamma-only
-weights and a request at its target); such requests simply sort first, ties by arrival.
+Ordering key (:func:`sort_key`), best first:
 
-Aging and the starvation bound
-==============================
+1. priority tier (SGLang's per-request ``priority`` under ``--enable-priority-scheduling``,
+   lower tier first; 0 for every request otherwise): the user's priorities always come first;
+2. overdue (``age >= A``) before the rest, overdue ones strictly FIFO by ``arrival_seq``;
+3. soft aging: ``pi * (1 + age / A)``, highest first; ties by ``arrival_seq``, then ``rid``.
 
-pi is bounded for a request that waits (at most gain / (alpha*C + beta*M)), so a stream of
-higher-gain arrivals could starve it forever.  The ordering key therefore adds explicit
-aging, in two layers (:func:`sort_key`):
+Theorem (waiting queue, one tier).  Let ``s`` arrive (first) when the server has served ``a``
+work units, and let ``arrival_seq`` increase with first arrival.  From the moment the server has
+served ``a + A`` units on, every request admitted before ``s`` arrived before ``s``: ``s`` is
+overdue, non-overdue requests sort after every overdue one, and overdue ones are FIFO.  So after
+``A`` units of work, ``s`` waits only for older requests, exactly as under FCFS; in all, ``s``
+waits at most ``A`` units plus the admission of the requests older than it that are still
+waiting then.  This holds whatever the gains, costs and arrival rate.  A request retracted and
+re-queued keeps its ``arrival_seq`` and its age, so it re-joins the older requests and counts
+among them.  Without the overdue layer the bound fails: a request of high cost waits forever
+behind a stream of cheap ones (tested).
 
-1. soft: ``aged = pi * (1 + w / A)`` -- priority doubles by the time a request reaches its
-   latency target (works even with gamma = 0);
-2. hard: a request with ``w >= A`` is *overdue*.  All overdue requests sort before all
-   others, and among themselves strictly FIFO by ``arrival_seq`` (then ``rid``).  Priority
-   is ignored for them, so a zero-gain request ages exactly like any other.
-
-Theorem (waiting queue).  Assume (W) a waiting request's ``waited_steps`` grows by one per
-scheduler step and ``arrival_seq`` increases with admission time, and (P) each step the
-runtime admits a non-empty prefix of ``order_waiting`` while the queue is non-empty.  Let
-``s`` arrive at step ``a`` and let ``r_s`` be the number of requests with a smaller
-``arrival_seq`` still waiting at step ``a + A``.  Then ``s`` is admitted no later than step
-``a + A + r_s``, and from step ``a + A`` on its position in ``order_waiting`` is at most
-the number of waiting requests with smaller ``arrival_seq`` (non-increasing).
-
-Proof.  From step ``a + A`` on, ``s`` is overdue.  A request ahead of an overdue ``s`` must
-itself be overdue with a smaller ``arrival_seq``: non-overdue requests sort after all
-overdue ones, and overdue ones are FIFO.  Requests arriving after ``s`` have larger
-``arrival_seq``, so the set ahead of ``s`` only loses members; by (P) each step admits at
-least its head, so it is empty after at most ``r_s`` steps, and then ``s`` is the head and
-is admitted.  The bound holds whatever the gains, costs and arrival rate.  (A request that
-is retracted and re-queued with its old ``arrival_seq`` but reset ``waited_steps`` can
-re-join the set ahead of ``s``; the bound then grows by one step per such re-entry.)
-Without the hard layer the bound fails: see ``tests/test_scheduling.py``, where a request
-of low gain is never admitted under pure-pi ordering.
-
-Theorem (decode budget, :func:`select_decode`).  Assume a running request's
-``waited_steps`` is the number of consecutive steps it was not decoded (reset to 0 when it
-decodes).  Every row with ``waited_steps >= cfg.max_skip_steps - 1`` is selected, so a
-request is skipped at most ``max_skip_steps - 1`` consecutive steps: it decodes at least
-once in every window of ``max_skip_steps`` consecutive steps.  (If the runtime counts
-"steps since the last decode", 1 right after a decode, the guarantee only gets tighter.)
-The guarantee wins over the budget: if more rows are forced than ``decode_budget`` allows,
-all forced rows are selected and the step exceeds the budget.  That can only persist when
-``len(running) > decode_budget * max_skip_steps``, i.e. when the budget cannot serve
-everyone within the window at all.
+Theorem (decode budget, :func:`select_decode`).  A running request's ``skips`` is the number
+of consecutive decode steps it was parked.  Every row with ``skips >= cfg.max_skip_steps - 1``
+is selected, so a request is parked at most ``max_skip_steps - 1`` consecutive steps.  The
+guarantee wins over the budget: if more rows are forced than ``decode_budget`` allows, all
+forced rows decode.
 """
 
 from __future__ import annotations
@@ -112,20 +80,16 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sgl_entropic.config import SchedulingConfig
-from sgl_entropic.costs import ModelDims, step_cost
 
 __all__ = [
-    "DEFAULT_MEAN_ENTROPY_NATS",
-    "DEFAULT_STEP_TIME_S",
     "MIN_DENOMINATOR",
     "RequestView",
     "Scales",
     "DEFAULT_SCALES",
     "GainEstimator",
-    "prior_gain",
-    "initial_gain",
-    "GainMemory",
-    "age_limit_steps",
+    "remaining_output",
+    "remaining_work",
+    "batch_work",
     "cost_terms",
     "priority",
     "aged_priority",
@@ -135,12 +99,8 @@ __all__ = [
     "select_decode",
     "advance_skips",
     "model_scales",
-    "waiting_view",
-    "running_view",
 ]
 
-DEFAULT_MEAN_ENTROPY_NATS = 2.0
-DEFAULT_STEP_TIME_S = 0.02
 MIN_DENOMINATOR = 1e-9
 
 
@@ -165,142 +125,74 @@ class RequestView:
     """What the scheduler knows of one request; built by the runtime, identical on all ranks."""
 
     rid: str
-    arrival_seq: int  # monotone admission counter, identical on every TP rank
-    waited_steps: int  # waiting: steps since arrival; running: consecutive skipped decode steps
-    prompt_len: int
-    output_len: int
-    kv_pages: int  # KV pages held now (0 while waiting, except cached prefix)
+    arrival_seq: int  # monotone first-arrival counter, identical on every TP rank
+    age: float  # work units served by the server since the request first arrived
+    work: float  # C: expected remaining work, work units (remaining_work)
     expected_gain: float  # E[dH] from GainEstimator, nats
-    step_cost: float  # C: compute of its next step, GFLOP
+    kv_pages: int = 0  # KV pages held now (0 while waiting)
+    skips: int = 0  # running: consecutive decode steps parked by the decode budget
+    tier: int = 0  # user priority, lower first (SGLang's priority * sign); 0 without priorities
 
     def __post_init__(self) -> None:
-        for name in ("arrival_seq", "waited_steps", "prompt_len", "output_len", "kv_pages"):
+        for name in ("arrival_seq", "kv_pages", "skips"):
             _count(name, getattr(self, name))
-        if _finite("expected_gain", self.expected_gain) < 0.0:
-            raise ValueError(f"expected_gain must be >= 0, got {self.expected_gain}")
-        if _finite("step_cost", self.step_cost) < 0.0:
-            raise ValueError(f"step_cost must be >= 0, got {self.step_cost}")
+        if isinstance(self.tier, bool) or not isinstance(self.tier, int):
+            raise TypeError(f"tier must be an int, got {type(self.tier).__name__}")
+        for name in ("age", "work", "expected_gain"):
+            if _finite(name, getattr(self, name)) < 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class Scales:
-    """Units that make C, M and L comparable; constants, identical on every rank.
+    """kv_ref_pages: the KV pool size in pages (M is the fraction of the pool held); a constant."""
 
-    cost_ref_gflop: GFLOP of one decode token of the model (C in token equivalents).
-    kv_ref_pages:   KV pool size in pages (M as the fraction of the pool held).
-    step_time_s:    nominal duration of one scheduler step; converts latency_target_s into
-                    steps.  A constant on purpose: a measured step time is rank-local.
-    """
-
-    cost_ref_gflop: float = 1.0
     kv_ref_pages: float = 1.0
-    step_time_s: float = DEFAULT_STEP_TIME_S
 
     def __post_init__(self) -> None:
-        for name in ("cost_ref_gflop", "kv_ref_pages", "step_time_s"):
-            if _finite(name, getattr(self, name)) <= 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if _finite("kv_ref_pages", self.kv_ref_pages) <= 0.0:
+            raise ValueError(f"kv_ref_pages must be > 0, got {self.kv_ref_pages}")
 
 
 DEFAULT_SCALES = Scales()
 
 
-# --------------------------------------------------------------------------- views from plain numbers
+def model_scales(pool_tokens: int, page_size: int) -> Scales:
+    return Scales(kv_ref_pages=max(1.0, pool_tokens / page_size))
 
 
-def model_scales(dims: ModelDims, pool_tokens: int, page_size: int) -> Scales:
-    """The served model's units: C in decode-token equivalents, M as the fraction of the KV pool."""
-    return Scales(cost_ref_gflop=step_cost(dims, 0) / 1e9, kv_ref_pages=max(1.0, pool_tokens / page_size))
+# --------------------------------------------------------------------------- remaining work
 
 
-def waiting_view(
-    *, rid: str, arrival_seq: int, waited_steps: int, prompt_len: int, output_len: int,
-    uncached_tokens: int, expected_gain: float, scales: Scales,
-) -> RequestView:
-    """A waiting request: its next step is the prefill of its uncached tokens; it holds no KV yet."""
-    return RequestView(
-        rid=rid, arrival_seq=arrival_seq, waited_steps=max(0, waited_steps), prompt_len=prompt_len,
-        output_len=output_len, kv_pages=0, expected_gain=expected_gain,
-        step_cost=uncached_tokens * scales.cost_ref_gflop,
-    )
+def remaining_output(max_new_tokens: Optional[int], generated: int, ignore_eos: bool, cfg: SchedulingConfig) -> float:
+    """Expected output tokens still to come: exact under ignore_eos, else capped by the typical answer."""
+    left = math.inf if max_new_tokens is None else max(0, max_new_tokens - generated)
+    if ignore_eos and left != math.inf:
+        return float(left)
+    return float(min(left, cfg.expected_output_tokens))
 
 
-def running_view(
-    *, rid: str, arrival_seq: int, skipped_steps: int, prompt_len: int, output_len: int, seq_len: int,
-    page_size: int, expected_gain: float, dims: ModelDims,
-) -> RequestView:
-    """A running request: its next step is one decode token over its context; it holds its pages."""
-    return RequestView(
-        rid=rid, arrival_seq=arrival_seq, waited_steps=max(0, skipped_steps), prompt_len=prompt_len,
-        output_len=output_len, kv_pages=-(-seq_len // page_size), expected_gain=expected_gain,
-        step_cost=step_cost(dims, seq_len) / 1e9,
-    )
+def remaining_work(uncached_tokens: int, output_tokens: float, cfg: SchedulingConfig) -> float:
+    """C in work units: the prefill still to do plus the expected decode tokens at decode_weight each."""
+    return uncached_tokens + cfg.decode_weight * output_tokens
+
+
+def batch_work(extend_tokens: int, decode_rows: int, cfg: SchedulingConfig) -> float:
+    """Work units one forward batch serves: what the scheduler's clock advances by."""
+    return extend_tokens + cfg.decode_weight * decode_rows
 
 
 # --------------------------------------------------------------------------- gain estimator
 
 
-def prior_gain(prompt_mean_surprisal: Optional[float] = None) -> float:
-    """E[dH] before any observed drop: half the mean prompt surprisal (nats); see module doc."""
-    if prompt_mean_surprisal is None:
-        mu = DEFAULT_MEAN_ENTROPY_NATS
-    else:
-        mu = _finite("prompt_mean_surprisal", prompt_mean_surprisal)
-        if mu < 0.0:
-            raise ValueError(f"prompt_mean_surprisal must be >= 0, got {mu}")
-    return 0.5 * mu
-
-
-class GainMemory:
-    """E[dH] last seen per prompt prefix, so a waiting request starts from what the runtime knows.
-
-    The key is the request's first ``prefix_tokens`` prompt tokens: the next turn of a
-    conversation repeats the previous turn's prompt, and requests over one system prompt share
-    it, so both find the gain their predecessors showed. Least recently written entries go
-    first past ``capacity``. Plain integers in, floats out: the same on every TP rank.
-    """
-
-    def __init__(self, prefix_tokens: int = 64, capacity: int = 4096) -> None:
-        _count("prefix_tokens", prefix_tokens)
-        _count("capacity", capacity)
-        self.prefix_tokens, self.capacity = prefix_tokens, capacity
-        self._gains: dict[tuple[int, ...], float] = {}
-
-    def key(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
-        return tuple(prompt_ids[: self.prefix_tokens])
-
-    def get(self, key: tuple[int, ...]) -> Optional[float]:
-        return self._gains.get(key)
-
-    def put(self, key: tuple[int, ...], gain: float) -> None:
-        self._gains.pop(key, None)  # re-insert: dicts keep insertion order, oldest first
-        self._gains[key] = _finite("gain", gain)
-        if len(self._gains) > self.capacity:
-            del self._gains[next(iter(self._gains))]
-
-    def __len__(self) -> int:
-        return len(self._gains)
-
-
-def initial_gain(remembered: Optional[float], target_entropy: Optional[float]) -> float:
-    """A new request's E[dH]: the gain remembered for its prompt prefix; else, for a request whose
-    entropy a controller holds near H*, :func:`prior_gain` with mu = H*; else the default prior."""
-    if remembered is not None:
-        return _finite("remembered gain", remembered)
-    return prior_gain(target_entropy)
-
-
 class GainEstimator:
-    """Per-request EMA of positive entropy drops, started at a prior (:func:`initial_gain`)."""
+    """Per-request EMA of positive entropy drops, started at (and credited up to) cfg.max_gain."""
 
     __slots__ = ("_decay", "_gain", "_last_entropy", "_drops")
 
-    prior_gain = staticmethod(prior_gain)
-
-    def __init__(self, cfg: SchedulingConfig, prompt_mean_surprisal: Optional[float] = None,
-                 initial: Optional[float] = None) -> None:
+    def __init__(self, cfg: SchedulingConfig) -> None:
         self._decay = float(cfg.gain_ema)
-        self._gain = prior_gain(prompt_mean_surprisal) if initial is None else _finite("initial", initial)
+        self._gain = float(cfg.max_gain)
         self._last_entropy: Optional[float] = None
         self._drops = 0
 
@@ -330,98 +222,71 @@ class GainEstimator:
 # --------------------------------------------------------------------------- priority
 
 
-def age_limit_steps(cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> int:
-    """A = ceil(latency_target_s / step_time_s) >= 1: the wait, in steps, that makes a request overdue."""
-    ratio = cfg.latency_target_s / scales.step_time_s
-    # The tolerance keeps e.g. 0.3 / 0.1 = 2.9999999999999996 and 3.0000000000000004 at 3.
-    return max(1, math.ceil(ratio - 1e-9 * max(1.0, ratio)))
+def _terms(view: RequestView, scales: Scales, cfg: SchedulingConfig) -> tuple[float, float, float]:
+    return view.work, view.kv_pages / scales.kv_ref_pages, max(0.0, 1.0 - view.age / cfg.max_wait)
 
 
-def _terms(view: RequestView, scales: Scales, a: int) -> tuple[float, float, float]:
-    c = view.step_cost / scales.cost_ref_gflop
-    m = view.kv_pages / scales.kv_ref_pages
-    lat = max(0.0, 1.0 - view.waited_steps / a)
-    return c, m, lat
-
-
-def _priority(view: RequestView, cfg: SchedulingConfig, scales: Scales, a: int) -> float:
-    c, m, lat = _terms(view, scales, a)
+def _priority(view: RequestView, cfg: SchedulingConfig, scales: Scales) -> float:
+    c, m, lat = _terms(view, scales, cfg)
     denom = cfg.alpha * c + cfg.beta * m + cfg.gamma * lat
-    return view.expected_gain / max(denom, MIN_DENOMINATOR)
+    return min(view.expected_gain, cfg.max_gain) / max(denom, MIN_DENOMINATOR)
 
 
-def _key(view: RequestView, cfg: SchedulingConfig, scales: Scales, a: int) -> tuple:
-    if view.waited_steps >= a:
-        return (0, 0.0, view.arrival_seq, view.rid)
-    aged = _priority(view, cfg, scales, a) * (1.0 + view.waited_steps / a)
-    return (1, -aged, view.arrival_seq, view.rid)
+def _key(view: RequestView, cfg: SchedulingConfig, scales: Scales) -> tuple:
+    if view.age >= cfg.max_wait:
+        return (view.tier, 0, 0.0, view.arrival_seq, view.rid)
+    aged = _priority(view, cfg, scales) * (1.0 + view.age / cfg.max_wait)
+    return (view.tier, 1, -aged, view.arrival_seq, view.rid)
 
 
-def cost_terms(
-    view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES
-) -> tuple[float, float, float]:
-    """(C, M, L) of the denominator, normalised as the module docstring defines them."""
-    return _terms(view, scales, age_limit_steps(cfg, scales))
+def cost_terms(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> tuple[float, float, float]:
+    """(C, M, L) of the denominator."""
+    return _terms(view, scales, cfg)
 
 
 def priority(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> float:
-    """The paper's pi(s) = E[dH] / (alpha*C + beta*M + gamma*L), without aging."""
-    return _priority(view, cfg, scales, age_limit_steps(cfg, scales))
+    """pi(s) = min(E[dH], g_max) / (alpha*C + beta*M + gamma*L), without aging."""
+    return _priority(view, cfg, scales)
 
 
 def aged_priority(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> float:
-    """Soft aging: pi(s) * (1 + waited_steps / A)."""
-    a = age_limit_steps(cfg, scales)
-    return _priority(view, cfg, scales, a) * (1.0 + view.waited_steps / a)
+    """Soft aging: pi(s) * (1 + age / A)."""
+    return _priority(view, cfg, scales) * (1.0 + view.age / cfg.max_wait)
 
 
 def sort_key(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> tuple:
-    """Ascending key = best first: overdue (FIFO) before the rest (by aged pi, then arrival)."""
-    return _key(view, cfg, scales, age_limit_steps(cfg, scales))
+    """Ascending key = best first: tier, then overdue (FIFO) before the rest (by aged pi)."""
+    return _key(view, cfg, scales)
 
 
-def order_waiting(
-    views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES
-) -> list[int]:
-    """Indices into ``views``, highest priority first (admit in this order)."""
-    a = age_limit_steps(cfg, scales)
-    keys = [_key(v, cfg, scales, a) for v in views]
+def order_waiting(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[int]:
+    """Indices into ``views``, best first (admit, or keep, in this order)."""
+    keys = [_key(v, cfg, scales) for v in views]
     return sorted(range(len(views)), key=keys.__getitem__)
 
 
-def retraction_order(
-    views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES
-) -> list[int]:
-    """Indices into ``views``, lowest priority first (retract in this order).
-
-    Exactly the reverse of :func:`order_waiting`, so among equal priorities the most
-    recent arrival is retracted first.
-    """
+def retraction_order(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[int]:
+    """Indices into ``views``, worst first (retract in this order): the reverse of order_waiting."""
     return order_waiting(views, cfg, scales)[::-1]
 
 
-def select_decode(
-    views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES
-) -> list[bool]:
+def select_decode(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[bool]:
     """Mask of the running rows to decode this step.
 
     All rows when ``cfg.decode_budget`` is None or not exceeded.  Otherwise every row with
-    ``waited_steps >= cfg.max_skip_steps - 1`` is forced in (it would otherwise exceed
-    ``max_skip_steps - 1`` consecutive skips), and the remaining ``budget - forced`` slots
-    go to the other rows in :func:`sort_key` order.  If the forced rows alone exceed the
+    ``skips >= cfg.max_skip_steps - 1`` is forced in, and the remaining ``budget - forced``
+    slots go to the other rows in :func:`sort_key` order.  If the forced rows alone exceed the
     budget, exactly the forced rows are selected: the guarantee wins over the budget.
     """
     n = len(views)
     budget = cfg.decode_budget
     if budget is None or n <= budget:
         return [True] * n
-    threshold = cfg.max_skip_steps - 1
-    mask = [v.waited_steps >= threshold for v in views]
+    mask = [v.skips >= cfg.max_skip_steps - 1 for v in views]
     free = budget - sum(mask)
     if free > 0:
-        a = age_limit_steps(cfg, scales)
         rest = [i for i in range(n) if not mask[i]]
-        rest.sort(key=lambda i: _key(views[i], cfg, scales, a))
+        rest.sort(key=lambda i: _key(views[i], cfg, scales))
         for i in rest[:free]:
             mask[i] = True
     return mask

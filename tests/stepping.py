@@ -24,9 +24,10 @@ class Stepper:
 
     def req(self, controller=None, mirostat=None, prompt_ids=()):
         """A request as SamplingStep sees it, in its own request-pool slot."""
-        state = self.rt.new_request_state(controller, mirostat, prompt_ids)
+        state = self.rt.new_request_state(controller, mirostat)
         slot, self._next_slot = self._next_slot, self._next_slot + 1
-        return SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=slot))
+        return SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=slot),
+                               origin_input_ids=list(prompt_ids))
 
     def begin(self, reqs, logits, temps, top_ks=None, produces=None) -> SamplingStep:
         n = len(reqs)

@@ -22,6 +22,7 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
 
 BREAK_ONE_TARGET = r"""
 import json
+from types import SimpleNamespace
 from sglang.srt.managers import schedule_policy
 from sglang.srt.managers.scheduler import Scheduler
 from sgl_entropic import plugin
@@ -35,7 +36,8 @@ before = {"sglang_wraps_run_batch": hasattr(Scheduler.run_batch, "__wrapped__"),
           "counted_as_ours": hooks.is_applied(run_batch)}
 del schedule_policy.SchedulePolicy.calc_priority  # a target gone, as after an SGLang refactor
 plugin.activate(EntropicConfig(mode="full", scheduling={"decode_budget": 2}), apply=True)
-section = server_info.after_get_init_info({}, None)["entropic"]
+args = SimpleNamespace(schedule_policy="fcfs", retraction_policy="length", enable_priority_scheduling=False)
+section = server_info.after_get_init_info({}, SimpleNamespace(server_args=args))["entropic"]
 table = plugin.hook_table(EntropicConfig(mode="full", scheduling={"decode_budget": 2}))
 print("RESULT " + json.dumps({**before, "section": section, "run_batch_after": hooks.is_applied(run_batch),
                               "scheduler_hooks": sum(h.process == "scheduler" for h in table)}))

@@ -2,7 +2,6 @@
 parameters reach the sampler bit-for-bit unchanged; controlled rows are rescaled as documented;
 controller state lives on the device per request-pool slot and survives a move to another slot."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -141,36 +140,6 @@ def test_a_step_never_waits_for_the_device_and_hands_its_values_over_once():
         assert mode.reads == [] and mode.transfers == [(5, 8)], (mode.reads, mode.transfers)
         pending.finish(s.rt)
         assert all(len(r.customized_info["entropy"]) == step_no + 1 for r in reqs)
-
-
-def test_a_new_turn_starts_from_the_gain_its_conversation_showed():
-    """Admission's E[dH]: a request whose prompt starts like an earlier one (the next turn, the same
-    system prompt) starts at the gain that one was last seen at; another prompt starts at the prior."""
-    from sgl_entropic.scheduling import prior_gain
-
-    stepper = Stepper(EntropicConfig(mode="scheduling"))
-    turn1 = stepper.req(prompt_ids=list(range(100)))
-    assert turn1.entropic.gain.expected_gain == prior_gain()
-    peaked = torch.full((1, 50), -30.0)
-    peaked[0, 3] = 0.0
-    stepper.step([turn1], torch.zeros(1, 50), [1.0])  # H = ln 50
-    stepper.step([turn1], peaked, [1.0])  # H ~ 0: a drop of ln 50
-    learnt = turn1.entropic.gain.expected_gain
-    assert learnt == pytest.approx(0.8 * prior_gain() + 0.2 * math.log(50), rel=1e-4)
-
-    turn2 = stepper.req(prompt_ids=list(range(100)) + [7, 8, 9])
-    assert turn2.entropic.gain.expected_gain == learnt
-    other = stepper.req(prompt_ids=[5] + list(range(100)))
-    assert other.entropic.gain.expected_gain == prior_gain()
-    controlled = stepper.req(controller=ControllerState.from_config(SamplingConfig(target_entropy=3.0), 1.0),
-                             prompt_ids=[6, 6, 6])
-    assert controlled.entropic.gain.expected_gain == prior_gain(3.0)  # mu = its target entropy
-
-
-def test_without_the_scheduling_loop_nothing_is_remembered():
-    stepper = Stepper(EntropicConfig(mode="sampling"))
-    stepper.step([stepper.req(prompt_ids=[1, 2, 3])], torch.zeros(1, 50), [1.0])
-    assert len(stepper.rt.gains) == 0
 
 
 def test_a_batch_result_finishes_its_own_step_and_leaves_the_next_one_pending():

@@ -77,3 +77,13 @@ def test_mixed_burst_completes(server):
         assert meta["completion_tokens"] == 12 and len(meta["entropy"]) == 12
         assert meta["finish_reason"]["type"] == "length"
     assert server.get("/health").status_code == 200
+
+
+def test_server_info_reports_the_order_that_runs(server):
+    server.generate({"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+    info = server.get("/server_info").json()
+    scheduling = info["entropic"]["scheduling"]
+    ours = info["entropic"]["config"]["scheduling"]["order"] == "entropic"
+    assert scheduling["sglang_policy_under_it"] == "fcfs"  # the shared server names no --schedule-policy
+    assert info["schedule_policy"] == scheduling["waiting_order"] == ("entropic" if ours else "fcfs")
+    assert info["internal_states"][0]["entropic"]["work_served"] > 0  # the clock runs

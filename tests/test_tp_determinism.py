@@ -15,7 +15,7 @@ from sgl_entropic.config import EntropicConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.plugin import runtime
 from sgl_entropic.pruning import attend_layer
 from sgl_entropic.sampling import ControllerState, MirostatState
-from sgl_entropic.scheduling import DEFAULT_SCALES, order_waiting, select_decode, waiting_view
+from sgl_entropic.scheduling import RequestView, order_waiting, remaining_output, remaining_work, select_decode
 from tests.stepping import Stepper
 from tests.test_attention_backend import CFG, _setup
 
@@ -65,14 +65,16 @@ def test_two_ranks_on_identical_inputs_decide_identically(no_clock_no_randomness
         assert torch.equal(ranks[0][0].table.entropic, ranks[1][0].table.entropic)
         assert torch.equal(ranks[0][0].table.mirostat, ranks[1][0].table.mirostat)
 
-    # admission and the decode budget, from each rank's own request states
+    # admission and the decode budget, from each rank's own request states and clock
     sched = SchedulingConfig(decode_budget=3)
     orders, masks = [], []
     for stepper, reqs in ranks:
-        new = [stepper.req(prompt_ids=[i % 2] * 80 + [99]) for i in range(4)]  # turns over known prefixes
-        views = [waiting_view(rid=f"r{i}", arrival_seq=r.entropic.arrival_seq, waited_steps=i, prompt_len=100,
-                              output_len=0, uncached_tokens=20 if i % 2 else 90,
-                              expected_gain=r.entropic.gain.expected_gain, scales=DEFAULT_SCALES)
+        new = [stepper.req(prompt_ids=[i % 2] * 80 + [99]) for i in range(4)]
+        stepper.rt.served += 1234.0
+        views = [RequestView(rid=f"r{i}", arrival_seq=r.entropic.arrival_seq,
+                             age=stepper.rt.served - r.entropic.arrival_work + 40.0 * i,
+                             work=remaining_work(20 if i % 2 else 90, remaining_output(64, i, False, sched), sched),
+                             expected_gain=r.entropic.gain.expected_gain, skips=i % 4)
                  for i, r in enumerate(reqs + new)]
         orders.append(order_waiting(views, sched))
         masks.append(select_decode(views, sched))

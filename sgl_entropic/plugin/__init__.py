@@ -67,12 +67,15 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         # --- with --dp-size N: the DP controller forwards only its own keys of the schedulers' init info
         Hook(S + "managers.data_parallel_controller.DataParallelController.get_init_info", "after",
              server_info.after_dp_get_init_info, "dp_controller"),
-        # macro loop: prefill order and retraction order (inert unless scheduling is on)
-        Hook(S + "managers.schedule_policy.SchedulePolicy.calc_priority", "after", scheduling_hooks.after_calc_priority,
-             "scheduler"),
-        Hook(S + "managers.schedule_batch.ScheduleBatch._get_decode_retraction_order", "around",
-             scheduling_hooks.around_retraction_order, "scheduler"),
     ]
+    if config.scheduling_on:  # macro loop: its clock, prefill order and retraction order
+        table += [
+            Hook(S + "managers.scheduler.Scheduler.run_batch", "before", scheduling_hooks.before_run_batch, "scheduler"),
+            Hook(S + "managers.schedule_policy.SchedulePolicy.calc_priority", "after",
+                 scheduling_hooks.after_calc_priority, "scheduler"),
+            Hook(S + "managers.schedule_batch.ScheduleBatch._get_decode_retraction_order", "around",
+                 scheduling_hooks.around_retraction_order, "scheduler"),
+        ]
     if budget:  # token-level preemption: only the top-pi running requests decode a step
         table += [
             Hook(S + "managers.scheduler.Scheduler.update_running_batch", "around",

@@ -1,7 +1,8 @@
 """A request enters the scheduler: its state is built from the same check the HTTP process ran.
 
 Scheduler process. The first request also teaches the Runtime the served model: its shape
-(the cost model), the scheduling scales and, with --enable-metrics, the Prometheus series.
+(the cost model), the scheduling scales and priority direction and, with --enable-metrics, the
+Prometheus series.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ def _learn_model(rt: Runtime, scheduler) -> None:
     kv_dtype = scheduler.tp_worker.model_runner.kv_cache_dtype
     rt.dims = ModelDims.from_hf_config(scheduler.model_config.hf_config, kv_bytes_per_element=kv_dtype.itemsize)
     rt.kv_page_size = scheduler.page_size
-    rt.scales = model_scales(rt.dims, scheduler.max_total_num_tokens, scheduler.page_size)
+    rt.scales = model_scales(scheduler.max_total_num_tokens, scheduler.page_size)
+    if scheduler.enable_priority_scheduling:
+        rt.priority_sign = 1 if scheduler.schedule_low_priority_values_first else -1
     if scheduler.server_args.enable_metrics:
         from sgl_entropic.plugin.metrics import EntropicMetrics
 
@@ -39,5 +42,5 @@ def after_create_generation_req(req, scheduler, *args, **kwargs):
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
         controllers = (None, None)
         req.set_finish_with_abort(str(err))
-    req.entropic = rt.new_request_state(*controllers, prompt_ids=req.origin_input_ids)
+    req.entropic = rt.new_request_state(*controllers)
     return req

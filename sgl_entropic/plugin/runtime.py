@@ -3,8 +3,8 @@
 `register()` creates the Runtime (`install`); every hook reads it with `current()`. Nothing
 else in the plugin keeps module-level state. In the scheduler the Runtime also holds what is
 learnt from the served model at the first request (its shape, the scheduling scales) and the
-scheduler's clock, which is the same on every tensor-parallel rank: forward batches and
-admissions are counted, never timed.
+scheduler's clock, which is the same on every tensor-parallel rank: the work each forward batch
+serves and the admissions are counted, never timed (`sgl_entropic.scheduling`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.sampling import ControllerState, MirostatState
-from sgl_entropic.scheduling import GainEstimator, GainMemory, Scales, initial_gain
+from sgl_entropic.scheduling import GainEstimator, Scales
 from sgl_entropic.signal import EntropyTrace
 
 if TYPE_CHECKING:
@@ -32,12 +32,11 @@ class RequestState:
     trace: EntropyTrace
     gain: GainEstimator
     arrival_seq: int  # admission counter, unique in the process and the same on every TP rank
-    arrival_step: int
+    arrival_work: float  # the scheduler's clock (work served) at its first arrival: its age counts from here
     controller: Optional[ControllerState] = None
     mirostat: Optional[MirostatState] = None
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
-    prefix_key: tuple = ()  # its first prompt tokens: where its E[dH] is remembered (GainMemory)
 
 
 @dataclass
@@ -48,13 +47,14 @@ class Runtime:
     dims: Optional[ModelDims] = None
     scales: Optional[Scales] = None
     kv_page_size: int = 1
+    priority_sign: int = 0  # --enable-priority-scheduling: 1 low values first, -1 high first; 0 off
     metrics: Optional["EntropicMetrics"] = None
     controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
     probe: Any = None  # its start-up pass: self-check, crossover timings (attention.Probe)
-    # The scheduler's clock: forward batches and admissions so far.
-    steps: int = 0
+    # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
+    served: float = 0.0
     arrivals: int = 0
     # Per step: the rows of the batch the model runs (ForwardBatch.init_new -> attention -> sampler),
     # the batch being sampled (ModelRunner.sample -> Sampler.forward), and the decode budget's split
@@ -64,25 +64,20 @@ class Runtime:
     pending: deque = field(default_factory=deque)  # sampled steps whose traces are on their way to the host
     defer_prepare: bool = False
     split: Any = None
-    gains: GainMemory = field(default_factory=GainMemory)  # E[dH] per prompt prefix, for admission
     # HTTP process: OpenAI streams waiting for their traces, by request id (openai_ext.py)
     openai_streams: dict = field(default_factory=dict)
     # Every RequestState alive, to prove that finished requests free theirs.
     live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
 
-    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState],
-                          prompt_ids: Sequence[int] = ()) -> RequestState:
+    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
         self.arrivals += 1
-        key = self.gains.key(prompt_ids)
-        target = controller.target if controller is not None else None
         state = RequestState(
             trace=EntropyTrace(keep_lists=False),
-            gain=GainEstimator(self.config.scheduling, initial=initial_gain(self.gains.get(key), target)),
+            gain=GainEstimator(self.config.scheduling),
             arrival_seq=self.arrivals,
-            arrival_step=self.steps,
+            arrival_work=self.served,
             controller=controller,
             mirostat=mirostat,
-            prefix_key=key,
         )
         self.live_states.add(state)
         return state

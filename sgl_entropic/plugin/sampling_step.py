@@ -187,7 +187,6 @@ class PendingRecord:
         seq_lens = self.seq_lens
 
         attended = self.rows.attended
-        remember = rt.config.scheduling_on  # the gains admission will read for the same prompt prefix
         step_tau = step_flops = 0.0
         measured, fractions, temperatures, parked = [], [], [], 0
         for i, state in enumerate(self.rows.states):
@@ -212,8 +211,6 @@ class PendingRecord:
                 step_tau += trace.record(entropy[i], surprisal[i], cost)
                 step_flops += cost
                 state.gain.observe(entropy[i])
-                if remember:
-                    rt.gains.put(state.prefix_key, state.gain.expected_gain)
                 measured.append(entropy[i])
             # null marks a step whose logits were not finite (nothing measured, tau unchanged)
             append_customized(
@@ -243,7 +240,6 @@ def append_customized(req, **values) -> None:
 
 def after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
     rt = runtime.current()
-    rt.steps += 1
     reqs = list(batch.reqs or ())
     decode = forward_batch.forward_mode.is_decode()
     if decode:

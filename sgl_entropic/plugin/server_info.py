@@ -27,6 +27,10 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
         "hooks_applied": not missing,
         "hooks_missing": missing,
     }
+    if rt.config.scheduling_on:
+        result[ENTROPIC_KEY]["scheduling"] = applied_order(rt, scheduler)
+        if rt.config.scheduling.order == "entropic":
+            result["schedule_policy"] = "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
     if rt.config.pruning_on and rt.probe is not None:
         probe = rt.probe
         result[ENTROPIC_KEY]["pruning"] = {
@@ -43,6 +47,18 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
     return result
 
 
+def applied_order(rt, scheduler) -> dict:
+    """Which order each queue really runs under: the users' choices first (scheduling_hooks)."""
+    args, ours = scheduler.server_args, rt.config.scheduling.order == "entropic"
+    return {
+        "waiting_order": "entropic" if ours else args.schedule_policy,
+        "retraction_order": "entropic" if ours else args.retraction_policy,
+        "sglang_policy_under_it": args.schedule_policy,
+        "request_priority_first": bool(args.enable_priority_scheduling),
+        "decode_budget": rt.config.scheduling.decode_budget,
+    }
+
+
 def after_dp_get_init_info(result, controller, *args, **kwargs):
     """With --dp-size N: every rank's section merged into the one /server_info shows."""
     infos = controller._scheduler_init_infos
@@ -55,6 +71,8 @@ def after_dp_get_init_info(result, controller, *args, **kwargs):
             "hooks_missing": sorted({t for s in sections for t in s["hooks_missing"]}),
             "ranks": len(infos),
         }
+        if "schedule_policy" in infos[0]:
+            result["schedule_policy"] = infos[0]["schedule_policy"]
     return result
 
 
@@ -71,6 +89,7 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
     result.internal_state[ENTROPIC_KEY] = {
         "dp_rank": _dp_rank(),  # with --dp-size N every scheduler reports its own (internal_states[i])
         "requests_admitted": rt.arrivals,
+        "work_served": rt.served,  # the macro loop's clock (scheduling.batch_work; counted with scheduling on)
         "live_request_states": len(rt.live_states),
         "leaked_request_states": leaked,
         # KV held by requests (the radix cache's evictable prefix pages are not "held")
