@@ -368,10 +368,12 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     None).
 
     Selection (module doc): the bound ranks the candidates; with a shortlist longer than `keep`, the
-    exact logits of the shortlisted pages' keys rank them again by their attention mass (softmax per
-    query head over the shortlist, summed over the query heads a list serves), and the kept pages'
-    logits are reused for the attention. Logits and softmax in float32; GQA: query head h reads KV head
-    h // (H_q / H_kv). Rows are padded to the batch's widest row and masked.
+    shortlisted pages' keys are read with the fixed pages' in one gather, one softmax over all of them
+    gives each shortlisted page's attention mass (summed over the query heads a list serves), the
+    `keep` heaviest are kept, and their weights, renormalised with the fixed pages', are the attention
+    over exactly those pages (softmax restricted to a subset is the renormalised softmax). Logits and
+    softmax in float32, values in the cache's dtype (weights rounded to it, as the output is); GQA:
+    query head h reads KV head h // (H_q / H_kv). Rows are padded to the batch's widest row and masked.
     """
     batch, heads_q, dim = q.shape
     heads_kv = k_cache.shape[1]
@@ -379,46 +381,45 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     p = plan.page_size
     k_pages = k_cache.view(-1, p, heads_kv, dim)
     v_pages = v_cache.view(-1, p, heads_kv, v_cache.shape[-1])
-    qg = q.float().view(batch, heads_kv, group, dim)
-
-    def logits_of(keys: torch.Tensor) -> torch.Tensor:  # [B, H_kv, X, P, D] -> [B, H_kv, G, X, P]
-        x = keys.shape[2]
-        return (qg @ keys.float().flatten(2, 3).transpose(-1, -2)).view(batch, heads_kv, group, x, p) * scale
-
-    fixed = plan.fixed_pages[:, None]
-    parts_logits = [logits_of(gather_pages(k_pages, fixed)).masked_fill(~plan.fixed_tokens[:, None, None], -_INF)]
-    parts_values = [gather_pages(v_pages, fixed)]
-    kept = None
-    if plan.keep_valid.shape[1]:
-        keep_mask = plan.keep_valid[:, None, None, :, None]
-        if plan.chosen is not None:
-            kept = plan.chosen
-            kept_logits = logits_of(gather_pages(k_pages, plan.page_table.gather(1, kept[:, 0])[:, None]))
+    fixed, cols = plan.fixed_pages[:, None], plan.fixed_pages.shape[1]
+    kept = picked = None
+    if not plan.keep_valid.shape[1]:  # every page fixed, or nothing to choose
+        candidates, valid = fixed[:, :, :0], plan.keep_valid
+    elif plan.chosen is not None:
+        kept, valid = plan.chosen, plan.keep_valid
+    else:
+        bound = quest_bounds(q, kmin[plan.page_table], kmax[plan.page_table], plan.per_head)
+        bound = bound.masked_fill(~plan.candidate[:, None], -_INF)
+        if plan.two_stage:
+            candidates, valid = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices, plan.shortlist_valid
         else:
-            bound = quest_bounds(q, kmin[plan.page_table], kmax[plan.page_table], plan.per_head)
-            bound = bound.masked_fill(~plan.candidate[:, None], -_INF)
-            if plan.two_stage:
-                short = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices  # [B, L, S] logical
-                phys = plan.page_table.gather(1, short.flatten(1)).view_as(short)
-                short_logits = logits_of(gather_pages(k_pages, phys))
-                short_logits = short_logits.masked_fill(~plan.shortlist_valid[:, None, None, :, None], -_INF)
-                # each query head's softmax mass per shortlisted page, summed over the heads a list serves
-                mass = torch.softmax(short_logits.flatten(-2), dim=-1).view_as(short_logits).sum(dim=-1)
-                mass = mass.sum(dim=2) if plan.per_head else mass.sum(dim=(1, 2))[:, None]
-                pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(plan.keep_valid.shape[1], dim=-1).indices
-                kept = short.gather(-1, pick)
-                pick_heads = pick if plan.per_head else pick.expand(-1, heads_kv, -1)
-                index = pick_heads[:, :, None, :, None].expand(-1, -1, group, -1, p)
-                kept_logits = short_logits.gather(3, index)
-            else:
-                kept = bound.topk(plan.keep_valid.shape[1], dim=-1).indices
-                kept_logits = logits_of(gather_pages(k_pages, plan.page_table.gather(1, kept.flatten(1)).view_as(kept)))
-        kept_phys = plan.page_table.gather(1, kept.flatten(1)).view_as(kept)
-        parts_logits.append(kept_logits.masked_fill(~keep_mask, -_INF))
-        parts_values.append(gather_pages(v_pages, kept_phys))
-    logits = torch.cat([x.flatten(-2) for x in parts_logits], dim=-1)  # [B, H_kv, G, T]
-    values = torch.cat([v.flatten(2, 3) for v in parts_values], dim=2).float()  # [B, H_kv, T, D_v]
-    out = torch.softmax(logits, dim=-1) @ values
+            kept, valid = bound.topk(plan.keep_valid.shape[1], dim=-1).indices, plan.keep_valid
+    if kept is not None:
+        candidates = kept
+    lists = candidates.shape[1]
+    physical = torch.cat([fixed.expand(-1, lists, -1), plan.page_table.gather(1, candidates.flatten(1)).view_as(candidates)],
+                         dim=2)
+    keys = gather_pages(k_pages, physical).float().flatten(2, 3)  # [B, H_kv, (F + X) * P, D]
+    logits = (q.float().view(batch, heads_kv, group, dim) @ keys.transpose(-1, -2)) * scale
+    tokens = torch.cat([plan.fixed_tokens, valid[:, :, None].expand(-1, -1, p)], dim=1)  # [B, F + X, P]
+    logits = logits.masked_fill(~tokens.flatten(1)[:, None, None], -_INF)
+    weights = torch.softmax(logits, dim=-1)  # [B, H_kv, G, (F + X) * P]
+    if kept is None and plan.keep_valid.shape[1]:  # two stages: keep the heaviest shortlisted pages
+        mass = weights.view(batch, heads_kv, group, -1, p)[:, :, :, cols:].sum(dim=-1)  # [B, H_kv, G, S]
+        mass = mass.sum(dim=2) if lists > 1 else mass.sum(dim=(1, 2))[:, None]
+        k_cols = plan.keep_valid.shape[1]
+        pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(k_cols, dim=-1).indices  # [B, L, K]
+        kept = candidates.gather(-1, pick)
+        index = torch.cat([torch.arange(cols, device=q.device).expand(batch, lists, -1), cols + pick], dim=2)
+        index = index.expand(-1, heads_kv, -1) if lists == 1 else index
+        weights = weights.view(batch, heads_kv, group, -1, p).gather(3, index[:, :, None, :, None].expand(
+            -1, -1, group, -1, p))
+        kept_tokens = torch.cat([plan.fixed_tokens, plan.keep_valid[:, :, None].expand(-1, -1, p)], dim=1)
+        weights = weights.flatten(-2) * kept_tokens.flatten(1)[:, None, None]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        physical = torch.cat([physical[:, :, :cols], physical[:, :, cols:].gather(-1, pick)], dim=2)
+    values = gather_pages(v_pages, physical).flatten(2, 3)  # [B, H_kv, T, D_v]
+    out = weights.to(values.dtype) @ values
     return out.reshape(batch, heads_q, -1).to(q.dtype), kept
 
 
