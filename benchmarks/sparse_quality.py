@@ -203,9 +203,13 @@ def compare(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> dict:
             "gap": (top2[:, 0] - top2[:, 1]).tolist()}
 
 
-def p95(xs: list[float]) -> float:
+def quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)] if xs else float("nan")
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else float("nan")
+
+
+def p95(xs: list[float]) -> float:
+    return quantile(xs, 0.95)
 
 
 def _mean(xs) -> float:
@@ -231,6 +235,8 @@ class Tally:
             "gap_positions": len(wide), "gap_misses": len(wide) - sum(wide),
             "lcs_mean": _mean(self.lcs.values()), "same_token_share": _mean(self.same.values()),
             "lead_mean": _mean(self.lead.values()), "kept_share": statistics.fmean(self.kept),
+            # the budget's spread across steps: an adaptive budget should span >= 2x from p10 to p90
+            "kept_p10": quantile(self.kept, 0.10), "kept_p90": quantile(self.kept, 0.90),
             "lcs_per_window": self.lcs,
         }
 
@@ -303,9 +309,9 @@ def configs(args) -> dict[str, PruningConfig]:
 
 
 def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], steps: int, log,
-              free_running: bool = True) -> dict:
+              free_running: Optional[set] = None) -> dict:
     """Per config and context: teacher-forced KL and top-1 against dense (the dense pass made once per
-    window) and, with free_running, the greedy continuation's agreement."""
+    window) and, for the configs in free_running (None: all), the greedy continuation's agreement."""
     results: dict = {}
     for w in wins:
         t0 = time.perf_counter()
@@ -319,7 +325,7 @@ def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], s
             per.agree += cmp["agree"]
             per.gap += cmp["gap"]
             per.kept += kept
-            if free_running:
+            if free_running is None or name in free_running:
                 free_tokens, _, kept_free = rt.generate(backend, w.ids, steps)
                 per.lcs[w.name] = lcs_ratio(dense_tokens, free_tokens)
                 per.same[w.name] = statistics.fmean(a == b for a, b in zip(dense_tokens, free_tokens))
@@ -346,17 +352,17 @@ def run_retrieval(rt: Runtime, cfgs: dict[str, PruningConfig], cases, log) -> di
 
 def table(quality: dict, retrieval: Optional[dict]) -> str:
     rows = ["| config | context | KL mean | KL p95 | top-1 | top-1 (gap >= 0.02) | LCS (ROUGE-L) | same token | "
-            "lead | kept share | retrieval |", "|" + "---|" * 11]
+            "lead | kept share (p10-p90) | retrieval |", "|" + "---|" * 11]
     for name, per in quality.items():
         for ctx, s in sorted(per.items()):
             ret = ""
-            if retrieval is not None:
+            if retrieval is not None and name in retrieval:
                 mine = [r for r in retrieval[name] if round(r["context"] / 1000) == ctx]
                 dense = [r for r in retrieval["dense"] if round(r["context"] / 1000) == ctx]
                 ret = f"{sum(r['ok'] for r in mine)}/{len(mine)} (dense {sum(r['ok'] for r in dense)})"
             rows.append(f"| {name} | {ctx}k | {s['kl_mean']:.4f} | {s['kl_p95']:.3f} | {s['top1']:.1%} | "
                         f"{s['top1_gap']:.1%} ({s['gap_misses']} of {s['gap_positions']}) | {s['lcs_mean']:.2f} | "
-                        f"{s['same_token_share']:.0%} | {s['lead_mean']:.1f} | {s['kept_share']:.0%} | {ret} |")
+                        f"{s['same_token_share']:.0%} | {s['lead_mean']:.1f} | {s['kept_share']:.0%} ({s['kept_p10']:.0%}-{s['kept_p90']:.0%}) | {ret} |")
     return "\n".join(rows)
 
 
@@ -374,6 +380,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--entropic-config", default=None, help="EntropicConfig JSON whose pruning section is the default")
     ap.add_argument("--no-retrieval", action="store_true")
+    ap.add_argument("--checked", default="", help="only these configs also run free and answer the retrieval "
+                    "cases (comma-separated names, default all); the others are teacher-forced only")
     ap.add_argument("--quick", action="store_true", help="one 2k window of each kind, 16 tokens, 2 configs")
     args = ap.parse_args()
     args.shares = [float(x) for x in args.shares.split(",") if x]
@@ -390,11 +398,13 @@ def main() -> None:
     if args.configs:
         cfgs = {k: v for k, v in cfgs.items() if k in args.configs.split(",")}
     log_line(f"{len(wins)} windows x {len(cfgs)} configs, {args.steps} tokens each ({args.dtype})")
-    quality = run_suite(rt, cfgs, wins, args.steps, log_line)
+    checked = set(args.checked.split(",")) & set(cfgs) if args.checked else None
+    quality = run_suite(rt, cfgs, wins, args.steps, log_line, checked)
     retrieval = None
     if not args.no_retrieval:
         long = [c for c in contexts if c >= 4000] or list(contexts)
-        retrieval = run_retrieval(rt, cfgs, retrieval_cases(rt.tokenizer, long), log_line)
+        retrieval = run_retrieval(rt, {k: v for k, v in cfgs.items() if checked is None or k in checked},
+                                  retrieval_cases(rt.tokenizer, long), log_line)
     md = table(quality, retrieval)
     path = write_json("sparse_quality", {"environment": environment(), "args": vars(args), "quality": quality,
                                          "retrieval": retrieval, "markdown": md})

@@ -28,7 +28,7 @@ for path in q.code_files()[:2]:
     windows.append(q.Window(path.stem, ids[len(ids) // 2 - 2000 : len(ids) // 2 + 2000]))
 cfgs = {"quest": PruningConfig(min_context=1024),
         "surprisal": PruningConfig(selector="surprisal", shortlist_ratio=None, min_context=1024)}
-result = q.run_suite(rt, cfgs, windows, 12, lambda msg: None, free_running=False)
+result = q.run_suite(rt, cfgs, windows, 12, lambda msg: None, free_running=set())
 print("RESULT " + json.dumps(result))
 """
 

@@ -48,8 +48,9 @@ logger = logging.getLogger("sgl_entropic")
 UNMEASURED_MIN_CONTEXT = 1024
 # Dense decode steps defer at most this many KV slots before folding them (one fold per layer).
 _MAX_DEFERRED_SLOTS = 4096
-# CPU: a step's rows are attended in groups of about this many gathered tokens, so that a group's pages
-# (and their float32 copies) stay in the caches; the whole batch at once spills them (measured: README).
+# CPU: a step's rows are attended in groups of about this many gathered tokens, which bounds the
+# gathered copies a large batch materialises per layer (memory); timed here, its speed effect was
+# inside this machine's noise.
 CPU_GROUP_TOKENS = 4096
 
 
