@@ -3,10 +3,13 @@ without the original they wrap, and the real server's /server_info report."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from sgl_entropic.plugin.hooks import Hook
 from sgl_entropic.plugin.timing import HookTimes, timed
+from tests.conftest import ROOT
 
 
 class Clock:
@@ -128,3 +131,32 @@ def test_server_reports_the_plugins_time_per_decode_step(server):
     metrics = server.get("/metrics").text
     assert "sglang:entropic_plugin_seconds_per_decode_step_count" in metrics
     assert "sglang:entropic_plugin_share_of_decode_step_bucket" in metrics
+
+
+def _run_steps(times: HookTimes, clock: Clock, steps) -> None:
+    for plugin, wall in steps:
+        times.ns[0] += plugin
+        times.calls[0] += 1
+        clock.t += wall
+        times.boundary(decode=True)
+
+
+def test_the_benchmark_reads_what_a_server_measured_between_two_reports():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from full_system import plugin_time_during
+
+    steps = [(100, 1_000), (400, 2_000), (50, 4_000), (900, 3_000)]  # (plugin ns, step ns)
+    clock, later_clock = Clock(), Clock()
+    whole, later = HookTimes(now=clock), HookTimes(now=later_clock)
+    for times in (whole, later):
+        times.add("A.f:before")
+        times.boundary(decode=False)
+    _run_steps(whole, clock, steps[:2])
+    before = whole.summary()
+    _run_steps(whole, clock, steps[2:])
+    _run_steps(later, later_clock, steps[2:])  # a server that saw only the later steps
+    delta, expected = plugin_time_during(before, whole.summary()), later.summary()
+    assert delta["steps"] == expected["steps"] == 2
+    for key in ("mean_us_per_step", "mean_step_us", "mean_share"):
+        assert delta[key] == pytest.approx(expected[key])
+    assert delta["hooks"]["A.f:before"] == {"calls": 2, "mean_us_per_step": pytest.approx(0.475)}
