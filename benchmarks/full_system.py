@@ -5,7 +5,8 @@ Each round starts one server per configuration (stock `sglang.launch_server`, th
 `python -m sglang.benchmark.serving` (its warm-up request first, `--flush-cache` before each
 workload). Results per workload and configuration: output tok/s, p50/p99 end-to-end latency,
 p50 TTFT, p50 inter-token latency; medians over rounds with min-max, and each round's ratio to
-the stock server of the same round.
+the stock server of the same round. For every entropic server, the plugin's own time per decode
+step during each workload, as the server measured it (`/server_info` -> plugin_time, plugin/timing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import common
 
@@ -51,6 +53,61 @@ def bench(url: str, model: str, workload: str, num_prompts: int, groups: int, se
     if result["completed"] < num_prompts:
         raise RuntimeError(f"{workload}: only {result['completed']} of {num_prompts} requests completed")
     return {k: result[k] for k in (*METRICS, "completed", "total_output_tokens", "duration")}
+
+
+def plugin_time(info: dict) -> Optional[dict]:
+    """The scheduler's plugin_time section (None on stock)."""
+    states = info.get("internal_states") or [{}]
+    return (states[0].get("entropic") or {}).get("plugin_time")
+
+
+def plugin_time_during(before: dict, after: dict) -> dict:
+    """What the server measured between two plugin_time reports (they accumulate over its life)."""
+    steps = after["steps"] - before["steps"]
+
+    def total(section: dict, key: str, n: int) -> float:
+        return (section[key] or 0.0) * n
+
+    def per_step(key_before: float, key_after: float) -> Optional[float]:
+        return (key_after - key_before) / steps if steps else None
+
+    hooks = {}
+    for name, h in after["hooks"].items():
+        b = before["hooks"].get(name, {"calls": 0, "mean_us_per_step": 0.0})
+        hooks[name] = {"calls": h["calls"] - b["calls"],
+                       "mean_us_per_step": per_step(total(b, "mean_us_per_step", before["steps"]),
+                                                    total(h, "mean_us_per_step", after["steps"]))}
+    return {"steps": steps, "hooks": hooks,
+            **{k: per_step(total(before, k, before["steps"]), total(after, k, after["steps"]))
+               for k in ("mean_us_per_step", "mean_step_us", "mean_share")}}
+
+
+def summarize_plugin_time(runs: list[dict], configs: list[str], workloads: list[str]) -> tuple[dict, str]:
+    """Per workload and mode: the plugin's time per decode step and its share, median (min-max) over rounds."""
+    summary: dict = {}
+    rows = []
+    for w in workloads:
+        for c in configs:
+            mine = [r["plugin_time"] for r in runs if r["workload"] == w and r["config"] == c and r.get("plugin_time")]
+            mine = [p for p in mine if p["steps"]]
+            if not mine:
+                continue
+            entry = {k: {"median": common.median([p[k] for p in mine]), "min": min(p[k] for p in mine),
+                         "max": max(p[k] for p in mine)} for k in ("mean_us_per_step", "mean_step_us", "mean_share")}
+            names = sorted({n for p in mine for n in p["hooks"]})
+            entry["hooks_us_per_step"] = {n: common.median([p["hooks"][n]["mean_us_per_step"] or 0.0 for p in mine
+                                                            if n in p["hooks"]]) for n in names}
+            entry["rounds"], entry["steps"] = len(mine), sum(p["steps"] for p in mine)
+            summary.setdefault(w, {})[c] = entry
+            top = sorted(entry["hooks_us_per_step"].items(), key=lambda kv: -kv[1])[:3]
+            rows.append([w, c, len(mine), entry["steps"], _cell(entry["mean_us_per_step"]),
+                         f"{entry['mean_step_us']['median'] / 1e3:.1f}",
+                         f"{100 * entry['mean_share']['median']:.2f} % ({100 * entry['mean_share']['min']:.2f}-"
+                         f"{100 * entry['mean_share']['max']:.2f})",
+                         ", ".join(f"{n} {us:.0f}" for n, us in top)])
+    return summary, common.markdown_table(
+        ["workload", "config", "rounds", "decode steps", "plugin us/step", "step ms", "plugin share",
+         "top hooks (us/step)"], rows)
 
 
 def summarize(runs: list[dict], configs: list[str], workloads: list[str]) -> tuple[dict, str]:
@@ -93,6 +150,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="short,long,shared-prefix")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="stock is always run")
+    ap.add_argument("--once", default="",
+                    help="configurations that run in one round each (the i-th in round i mod rounds), e.g. to read "
+                         "each mode's plugin time without a server per mode per round")
     ap.add_argument("--long-configs", default="stock,full",
                     help="configurations that run the long and shared-prefix workloads (slow on a CPU)")
     ap.add_argument("--prompts", default="short:32,long:8,shared-prefix:16")
@@ -105,6 +165,7 @@ def main() -> None:
         args.rounds, args.workloads, args.prompts = 1, "short", "short:8"
     workloads = args.workloads.split(",")
     configs = ["stock"] + [c for c in args.configs.split(",") if c != "stock"]
+    once = [c for c in args.once.split(",") if c and c not in configs]
     long_configs = set(args.long_configs.split(",")) | {"stock"}
     prompts = {k: int(v) for k, v in (p.split(":") for p in args.prompts.split(","))}
     extra = json.loads(args.entropic_config) if args.entropic_config else None
@@ -114,7 +175,8 @@ def main() -> None:
     common_args = common.sglang_common_args(model, device, args.dtype)
     runs, infos = [], {}
     for rnd in range(args.rounds):
-        order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+        order = configs + [c for i, c in enumerate(once) if i % args.rounds == rnd]
+        order = order[rnd % len(order):] + order[:rnd % len(order)]
         for config in order:
             port = common.free_port()
             cmd = (common.stock_command(port, common_args) if config == "stock"
@@ -126,16 +188,25 @@ def main() -> None:
                 for w in workloads:
                     if w != "short" and config not in long_configs:
                         continue
+                    before = plugin_time(srv.info())
                     r = bench(srv.url, model, w, prompts[w], args.groups, seed=1000 + rnd)
+                    after = plugin_time(srv.info())
+                    if before is not None and after is not None:
+                        r["plugin_time"] = plugin_time_during(before, after)
                     runs.append({"round": rnd, "config": config, "workload": w, **r})
+                    pt = r.get("plugin_time")
                     common.log_line(f"round {rnd} {config} {w}: {r['output_throughput']:.1f} tok/s, "
-                                    f"p50 E2E {r['median_e2e_latency_ms']:.0f} ms")
+                                    f"p50 E2E {r['median_e2e_latency_ms']:.0f} ms" +
+                                    (f", plugin {pt['mean_us_per_step']:.0f} us/decode step "
+                                     f"({100 * pt['mean_share']:.2f} %)" if pt and pt["steps"] else ""))
                 infos[f"{config}/{rnd}"] = srv.info().get("entropic")
+    configs += once
     summary, table = summarize(runs, configs, workloads)
-    print(table)
+    plugin_summary, plugin_table = summarize_plugin_time(runs, configs, workloads)
+    print(table + "\n\n### the plugin's own time per decode step (measured in each server)\n\n" + plugin_table)
     path = common.write_json("full_system", {
         "args": vars(args), "environment": common.environment(), "runs": runs, "summary": summary,
-        "entropic_server_info": infos})
+        "plugin_time": plugin_summary, "entropic_server_info": infos})
     common.log_line(f"wrote {path.relative_to(common.ROOT)}")
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 from sgl_entropic.config import EntropicConfig
-from sgl_entropic.plugin import hooks, runtime
+from sgl_entropic.plugin import hooks, runtime, timing
 from sgl_entropic.plugin.hooks import SUPPORTED_SGLANG, Hook
 
 logger = logging.getLogger("sgl_entropic")
@@ -28,7 +29,8 @@ logger = logging.getLogger("sgl_entropic")
 ALLOW_UNSUPPORTED_ENV = "SGLANG_ENTROPIC_ALLOW_UNSUPPORTED_SGLANG"
 
 
-def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
+def hook_table(config: EntropicConfig, times: Optional[timing.HookTimes] = None) -> tuple[Hook, ...]:
+    """Every hook of `config`; with `times`, each scheduler-process handler records its own time there."""
     from sgl_entropic.plugin import (admission, meta_info, openai_ext, sampling_step, scheduling_hooks, server_info,
                                      validation)
 
@@ -51,7 +53,9 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
           for fn, kind, handler in (("_convert_to_internal_request", "after", openai_ext.after_convert_request),
                                     (build, "after", openai_ext.after_build_response),
                                     (stream, "around", openai_ext.around_stream))),
-        # --- scheduler process
+        # --- scheduler process (the first hook closes a step of the plugin's own clock: timing.py)
+        Hook(S + "managers.scheduler.Scheduler.get_next_batch_to_run", "before", timing.before_get_next_batch_to_run,
+             "scheduler"),
         Hook(S + "managers.scheduler.Scheduler.get_init_info", "after", server_info.after_get_init_info, "scheduler"),
         Hook(S + "managers.scheduler.Scheduler.get_internal_state", "after", server_info.after_get_internal_state,
              "scheduler"),
@@ -96,7 +100,7 @@ def hook_table(config: EntropicConfig) -> tuple[Hook, ...]:
         if config.pruning.selector == "surprisal":  # its prompt scores, from the model's logits
             table.append(Hook(S + "layers.logits_processor.LogitsProcessor.forward", "around",
                               attention.around_logits_forward, "scheduler"))
-    return tuple(table)
+    return timing.timed(table, times) if times is not None else tuple(table)
 
 
 def sglang_supported() -> bool:
@@ -124,8 +128,9 @@ def activate(config: EntropicConfig, apply: bool = False) -> None:
             return
         logger.warning("sgl-entropic supports sglang %s, found %s: loading the loops anyway (%s=1); "
                        "check /server_info entropic.hooks_missing", SUPPORTED_SGLANG, found, ALLOW_UNSUPPORTED_ENV)
-    table = hook_table(config)
-    runtime.install(config, table)
+    times = timing.HookTimes()
+    table = hook_table(config, times)
+    runtime.install(config, table, times)
     hooks.register(table)
     if config.pruning_on:
         from sgl_entropic.plugin import attention

@@ -61,7 +61,9 @@ def is_applied(hook: Hook) -> bool:
     while fn is not None and seen < 64:
         for cell in getattr(fn, "__closure__", None) or ():
             try:
-                if cell.cell_contents is hook.handler:
+                ours = cell.cell_contents
+                # our handler, or plugin.timing's wrapper around it (functools.wraps sets __wrapped__)
+                if ours is hook.handler or getattr(ours, "__wrapped__", None) is hook.handler:
                     return True
             except ValueError:  # an empty cell
                 continue

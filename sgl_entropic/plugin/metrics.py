@@ -37,6 +37,17 @@ class EntropicMetrics:
             buckets=(0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0),
         )
         self.parked = Counter("sglang:entropic_parked_steps", "Decode steps running requests waited (decode budget).")
+        # the plugin's own price (timing.py): its hook handlers' time in each decode step, and that time's share
+        self.plugin_time = Histogram(
+            "sglang:entropic_plugin_seconds_per_decode_step",
+            "Wall time of the plugin's hook handlers in one decode step of the scheduler (seconds).",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2),
+        )
+        self.plugin_share = Histogram(
+            "sglang:entropic_plugin_share_of_decode_step",
+            "Share of a decode step's wall time spent in the plugin's hook handlers.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+        )
 
     def observe(self, entropies: list[float], step_tau: float, step_flops: float, attended: list[float] = (),
                 temperatures: list[float] = (), parked: int = 0) -> None:
@@ -52,3 +63,7 @@ class EntropicMetrics:
         self.cost.inc(step_flops / 1e9)
         if step_flops > 0:
             self.efficiency.set(step_tau / (step_flops / 1e9))
+
+    def observe_plugin_step(self, plugin_ns: int, wall_ns: int) -> None:
+        self.plugin_time.observe(plugin_ns / 1e9)
+        self.plugin_share.observe(plugin_ns / wall_ns)

@@ -23,6 +23,7 @@ from sgl_entropic.signal import EntropyTrace
 if TYPE_CHECKING:
     from sgl_entropic.plugin.metrics import EntropicMetrics
     from sgl_entropic.plugin.sampling_step import ControllerTable
+    from sgl_entropic.plugin.timing import HookTimes
 
 
 @dataclass(eq=False)  # identity semantics: tracked in a WeakSet
@@ -43,6 +44,7 @@ class RequestState:
 class Runtime:
     config: EntropicConfig
     hooks: tuple = ()  # the hook table registered in this process (plugin.hook_table)
+    times: Optional["HookTimes"] = None  # what the table's scheduler handlers cost per step (timing.py)
     # Scheduler process, learnt at the first request.
     dims: Optional[ModelDims] = None
     scales: Optional[Scales] = None
@@ -86,10 +88,10 @@ class Runtime:
 _runtime: Optional[Runtime] = None
 
 
-def install(config: EntropicConfig, hooks: tuple = ()) -> Runtime:
+def install(config: EntropicConfig, hooks: tuple = (), times: Optional["HookTimes"] = None) -> Runtime:
     """The process's Runtime for `config` (a new one, replacing any before it)."""
     global _runtime
-    _runtime = Runtime(config, hooks)
+    _runtime = Runtime(config, hooks, times)
     return _runtime
 
 
