@@ -322,15 +322,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     ap.add_argument("--random-prompts", type=int, default=24)
-    ap.add_argument("--random-rate", type=float, default=0.45)
+    ap.add_argument("--random-rate", type=float, default=1.6)
     ap.add_argument("--random-input-len", type=int, default=600)
     ap.add_argument("--random-output-len", type=int, default=96)
     ap.add_argument("--range-ratio", type=float, default=0.1)
     ap.add_argument("--agent-conversations", type=int, default=12)
-    ap.add_argument("--agent-rate", type=float, default=0.25)
+    ap.add_argument("--agent-rate", type=float, default=1.0)
     ap.add_argument("--agent-output-len", type=int, default=40)
     ap.add_argument("--chat-prompts", type=int, default=14)
-    ap.add_argument("--chat-rate", type=float, default=0.3)
+    ap.add_argument("--chat-rate", type=float, default=1.0)
     ap.add_argument("--chat-output-len", type=int, default=128)
     ap.add_argument("--server-arg", action="append", default=[], help="extra sglang flag for every server")
     ap.add_argument("--startup-timeout", type=float, default=600)
@@ -359,6 +359,9 @@ def main(argv=None) -> int:
         order = args.policies[r % len(args.policies):] + args.policies[: r % len(args.policies)]
         log_line(f"round {r + 1}/{args.rounds}: {', '.join(order)}")
         rounds.append({p: run_policy(p, args, common, model, files, r + 1) for p in order})
+        # A long run stopped midway still leaves its finished rounds.
+        write_json("scheduling_policies-partial", {"benchmark": "scheduling_policies", "args": vars(args),
+                                                   "rounds": rounds})
     summary = summarize(rounds, args.policies, args.workloads)
     verdicts = verdict(summary)
     path = write_json("scheduling_policies", {"benchmark": "scheduling_policies", "args": vars(args),
