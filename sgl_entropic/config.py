@@ -92,9 +92,11 @@ class SchedulingConfig(_Section):
     every tensor-parallel rank); `sgl_entropic/scheduling.py` defines each term.
     """
 
-    order: Literal["entropic", "sglang"] = Field(
-        "entropic", description="who orders the waiting queue and the decode retraction: entropic (pi with "
-        "aging, SGLang's request priorities first), or sglang (its --schedule-policy / --retraction-policy)")
+    order: Optional[Literal["entropic", "sglang"]] = Field(
+        None, description="who orders the waiting queue and the decode retraction: entropic (pi with "
+        "aging, SGLang's request priorities first), or sglang (its --schedule-policy / --retraction-policy); "
+        "None: entropic in mode scheduling, sglang in mode full (there the entropic order did not beat "
+        "SGLang's policies, README \"Against every policy SGLang ships\")")
     alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of the remaining work C")
     beta: float = Field(1.0, ge=0.0, le=1e6, description="weight of KV pages held")
     gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of the latency slack")
@@ -177,6 +179,12 @@ class EntropicConfig(_Section):
     @property
     def scheduling_on(self) -> bool:
         return self.mode in ("scheduling", "full")
+
+    @property
+    def entropic_order(self) -> bool:
+        """Whether the macro loop's pi orders the queues (else SGLang's policies do)."""
+        order = self.scheduling.order or ("entropic" if self.mode == "scheduling" else "sglang")
+        return self.scheduling_on and order == "entropic"
 
     @property
     def pruning_on(self) -> bool:

@@ -70,27 +70,29 @@ def map_schedule_policy(
 ) -> tuple[list[str], EntropicConfig]:
     """Who orders the queues: the user's choices first.
 
-    `--schedule-policy entropic` (ours; SGLang's choices are fixed) is the macro loop over SGLang's
-    fcfs. With the scheduling loop on, a --schedule-policy or --retraction-policy the user names
-    is kept, and the loop leaves both orders to SGLang (scheduling.order = "sglang"; its decode
-    budget still runs). Asking for both orders at once exits with code 2, naming both flags.
+    `--schedule-policy entropic` (ours; SGLang's choices are fixed) is the macro loop's order over
+    SGLang's fcfs; mode full leaves the order to SGLang unless asked so (EntropicConfig.entropic_order).
+    With the scheduling loop on, a --schedule-policy or --retraction-policy the user names is kept,
+    and the loop leaves both orders to SGLang (scheduling.order = "sglang"; its decode budget still
+    runs). Asking for both orders at once exits with code 2, naming both flags.
     """
     policy, retraction = _flag_value(rest, "--schedule-policy"), _flag_value(rest, "--retraction-policy")
-    order_set = "order" in config.scheduling.model_fields_set
     order = config.scheduling.order
     if policy == "entropic":
         if not config.scheduling_on:
             parser.error(f"--schedule-policy entropic needs the scheduling loop, but --entropic is {config.mode}")
-        if order_set and order != "entropic":
+        if order == "sglang":
             parser.error(f"--schedule-policy entropic contradicts --entropic-config scheduling.order {order!r}")
         if retraction is not None:
             parser.error(f"--schedule-policy entropic orders the retraction too; drop --retraction-policy {retraction}")
-        return _drop_flag(rest, "--schedule-policy") + ["--schedule-policy", "fcfs"], config
+        scheduling = config.scheduling.model_copy(update={"order": "entropic"})
+        return (_drop_flag(rest, "--schedule-policy") + ["--schedule-policy", "fcfs"],
+                config.model_copy(update={"scheduling": scheduling}))
     named = [f"{flag} {value}" for flag, value in (("--schedule-policy", policy), ("--retraction-policy", retraction))
              if value is not None]
     if not config.scheduling_on or not named:
         return rest, config
-    if order_set and order == "entropic":
+    if order == "entropic":
         parser.error(f"{named[0]} and --entropic-config scheduling.order 'entropic' both order the queue: "
                      f"drop one of them")
     scheduling = config.scheduling.model_copy(update={"order": "sglang"})

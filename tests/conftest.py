@@ -87,9 +87,10 @@ def server(tmp_path_factory) -> Server:
     # runtime tests check pruned decode at 2-6k tokens (tests/test_attention_backend.py times it).
     # Compact JSON: xgrammar otherwise allows whitespace anywhere, and a sampled request (plain
     # T=0.8 as well as entropic) can fill any token budget with it (tests/test_reliability.py).
+    # Every loop engaged: full leaves the queue order to SGLang unless --schedule-policy entropic asks.
     cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
            "--entropic-config", '{"pruning": {"min_context": 1024}}', "--constrained-json-disable-any-whitespace",
-           *COMMON_ARGS]
+           "--schedule-policy", "entropic", *COMMON_ARGS]
     srv = start_server(cmd, log)
     yield srv
     stop_server(srv.proc)

@@ -50,11 +50,18 @@ def test_a_named_policy_is_kept_and_the_loop_leaves_the_order_to_sglang():
         rest, config = _resolve(flags)
         assert rest == flags and config.scheduling.order == "sglang" and config.mode == "full"
     rest, config = _resolve(["--schedule-policy", "lpm"], {"mode": "sampling"})  # no scheduling loop: untouched
-    assert config.scheduling.order == "entropic" and not config.scheduling_on
-    rest, config = _resolve(["--tp-size", "1"])  # nothing named: the entropic order over SGLang's fcfs
-    assert rest == ["--tp-size", "1"] and config.scheduling.order == "entropic"
-    rest, config = _resolve(["--schedule-policy", "entropic", "--tp-size", "1"])
-    assert rest == ["--tp-size", "1", "--schedule-policy", "fcfs"] and config.scheduling.order == "entropic"
+    assert config.scheduling.order is None and not config.scheduling_on and not config.entropic_order
+    # nothing named: full leaves the order to SGLang (the entropic order did not beat its policies),
+    # mode scheduling runs the entropic order over SGLang's fcfs
+    rest, config = _resolve(["--tp-size", "1"])
+    assert rest == ["--tp-size", "1"] and config.scheduling_on and not config.entropic_order
+    rest, config = _resolve(["--tp-size", "1"], {"mode": "scheduling"})
+    assert rest == ["--tp-size", "1"] and config.entropic_order
+    for mode in ("full", "scheduling"):  # asked by name: the entropic order in either mode
+        rest, config = _resolve(["--schedule-policy", "entropic", "--tp-size", "1"], {"mode": mode})
+        assert rest == ["--tp-size", "1", "--schedule-policy", "fcfs"] and config.entropic_order
+    rest, config = _resolve(["--schedule-policy", "lpm"], {"mode": "scheduling"})
+    assert config.scheduling.order == "sglang" and not config.entropic_order
     # the choice travels to the scheduler process in the environment, validated again there
     assert EntropicConfig.model_validate_json(_resolve(["--schedule-policy", "lpm"])[1].to_env()).scheduling.order \
         == "sglang"
@@ -80,6 +87,10 @@ def test_server_info_reports_the_order_that_runs(monkeypatch):
     assert info["entropic"]["scheduling"]["waiting_order"] == "lpm"
     assert info["entropic"]["scheduling"]["retraction_order"] == "priority"
     assert info["entropic"]["scheduling"]["decode_budget"] == 2
+
+    runtime.install(EntropicConfig(mode="full"))  # the default: SGLang's policy orders, the loop's clock runs
+    info = server_info.after_get_init_info({"status": "ready"}, _scheduler())
+    assert "schedule_policy" not in info and info["entropic"]["scheduling"]["waiting_order"] == "fcfs"
 
     runtime.install(EntropicConfig(mode="sampling"))
     info = server_info.after_get_init_info({"status": "ready"}, _scheduler())

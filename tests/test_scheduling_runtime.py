@@ -1,4 +1,4 @@
-"""The macro loop on the real server (mode full): an admission order that only the entropic policy
+"""The macro loop on the real server (mode full, --schedule-policy entropic): an admission order that only the entropic policy
 produces, and a mixed burst that all completes with valid output."""
 
 import concurrent.futures as cf
@@ -83,7 +83,8 @@ def test_server_info_reports_the_order_that_runs(server):
     server.generate({"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
     info = server.get("/server_info").json()
     scheduling = info["entropic"]["scheduling"]
-    ours = info["entropic"]["config"]["scheduling"]["order"] == "entropic"
-    assert scheduling["sglang_policy_under_it"] == "fcfs"  # the shared server names no --schedule-policy
-    assert info["schedule_policy"] == scheduling["waiting_order"] == ("entropic" if ours else "fcfs")
+    # the shared server asks for the entropic order (--schedule-policy entropic), over SGLang's fcfs
+    assert info["entropic"]["config"]["scheduling"]["order"] == "entropic"
+    assert scheduling["sglang_policy_under_it"] == "fcfs"
+    assert info["schedule_policy"] == scheduling["waiting_order"] == scheduling["retraction_order"] == "entropic"
     assert info["internal_states"][0]["entropic"]["work_served"] > 0  # the clock runs

@@ -2,8 +2,8 @@
 the decode budget and the scheduler's clock. `sgl_entropic.scheduling` decides; this module only
 builds its plain views from SGLang requests and applies the answer.
 
-Users' choices first: with `scheduling.order = "sglang"` (what our launcher sets when the user
-names a --schedule-policy or --retraction-policy) SGLang orders both queues itself; with
+Users' choices first: unless the entropic order is on (mode scheduling, or --schedule-policy
+entropic; EntropicConfig.entropic_order) SGLang orders both queues by the user's policies; with
 --enable-priority-scheduling every request's `priority` is the first sort key of both orders.
 """
 
@@ -31,10 +31,6 @@ logger = logging.getLogger("sgl_entropic")
 # Matching every waiting request against the radix cache costs a tree walk each; SGLang's own
 # cache-aware policies stop matching above this queue length (schedule_policy.py), and so do we.
 MATCH_MAX_QUEUE = 128
-
-
-def entropic_order(rt: Runtime) -> bool:
-    return rt.config.scheduling_on and rt.config.scheduling.order == "entropic"
 
 
 def _tiers(rt: Runtime, reqs) -> list[int]:
@@ -75,7 +71,7 @@ def after_calc_priority(result, policy, waiting_queue, *args, **kwargs):
     rt = runtime.current()
     if not waiting_queue or not rt.config.scheduling_on:
         return
-    if not entropic_order(rt):
+    if not rt.config.entropic_order:
         if rt.priority_sign:  # SGLang's cache-aware policies ignore request priorities: tiers first, its order inside
             tiers = dict(zip(map(id, waiting_queue), _tiers(rt, waiting_queue)))
             waiting_queue.sort(key=lambda r: tiers[id(r)])
@@ -94,7 +90,7 @@ def after_calc_priority(result, policy, waiting_queue, *args, **kwargs):
 
 def around_retraction_order(original, reqs):
     rt = runtime.current()
-    if not entropic_order(rt):
+    if not rt.config.entropic_order:
         order = original(reqs)
         if rt.config.scheduling_on and rt.priority_sign:  # tiers first, SGLang's order inside (a stable sort)
             tiers = _tiers(rt, reqs)

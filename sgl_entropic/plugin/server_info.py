@@ -29,7 +29,7 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
     }
     if rt.config.scheduling_on:
         result[ENTROPIC_KEY]["scheduling"] = applied_order(rt, scheduler)
-        if rt.config.scheduling.order == "entropic":
+        if rt.config.entropic_order:
             result["schedule_policy"] = "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
     if rt.config.pruning_on and rt.probe is not None:
         probe = rt.probe
@@ -49,7 +49,7 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
 
 def applied_order(rt, scheduler) -> dict:
     """Which order each queue really runs under: the users' choices first (scheduling_hooks)."""
-    args, ours = scheduler.server_args, rt.config.scheduling.order == "entropic"
+    args, ours = scheduler.server_args, rt.config.entropic_order
     return {
         "waiting_order": "entropic" if ours else args.schedule_policy,
         "retraction_order": "entropic" if ours else args.retraction_policy,
