@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 # The grid of context lengths timed at start-up (tokens; capped at the model's and the pool's).
-# Past its end the sparse step's advantage only grows (dense reads every token, sparse a share),
-# so the grid stops where the crossover of any model measured here has long been passed.
-CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096)
+# Past its end the sparse step's advantage only grows (dense reads every token, sparse a share);
+# it reaches 8k because against our own kernel over every page a small model's crossover on a CPU
+# can lie past 4k, and a grid ending there would then never prune at any context.
+CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 # A sparse step must be this much faster to count as paying: timing noise must not flip it.
 MARGIN = 0.1
 
@@ -40,21 +41,23 @@ def crossover(timings: Sequence[Timing], margin: float = MARGIN) -> Optional[int
     return found
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed calls after one untimed warm-up call (seconds)."""
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return time.perf_counter() - t0
 
 
-def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 2) -> list[Timing]:
-    """Time the step `step(context, sparse)` builds, dense and sparse, at each context."""
+def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 3) -> list[Timing]:
+    """Time the step `step(context, sparse)` builds, dense and sparse, at each context: the fastest
+    of `repeats` calls each after one untimed warm-up, alternating dense and sparse so that a burst
+    of load on a shared machine slows both rather than one (one such burst made a benchmark
+    server's probe miss a 2x crossover)."""
     out = []
     for n in contexts:
         dense, sparse = step(n, False), step(n, True)
-        out.append(Timing(n, best_time(dense, repeats), best_time(sparse, repeats)))
+        dense(), sparse()
+        d = s = float("inf")
+        for _ in range(repeats):
+            d, s = min(d, _timed(dense)), min(s, _timed(sparse))
+        out.append(Timing(n, d, s))
     return out

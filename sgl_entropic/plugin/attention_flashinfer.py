@@ -22,14 +22,14 @@ import dataclasses
 import itertools
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
 from sgl_entropic.config import PruningConfig
-from sgl_entropic.crossover import CONTEXTS, Timing, crossover
+from sgl_entropic.crossover import CONTEXTS, crossover, measure
 from sgl_entropic.kernels.page_scores import page_bounds_triton, page_lse_triton
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.attention import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
@@ -170,8 +170,8 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         elif cfg.min_context is None:
             config = model_runner.model_config
             cap = min(config.context_len, model_runner.token_to_kv_pool.size)
-            timings = [self._time(n, cfg, config.num_hidden_layers, dtype, model_runner.device)
-                       for n in CONTEXTS if n <= cap]
+            timings = measure(lambda n, sparse: self._step(n, sparse, cfg, config.num_hidden_layers, dtype,
+                                                           model_runner.device), [n for n in CONTEXTS if n <= cap])
             found = crossover(timings)
             self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
                                                       config.context_len + 1})
@@ -179,7 +179,8 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
                         found, ", ".join(f"{t.context}: {t.dense_s * 1e3:.2f}/{t.sparse_s * 1e3:.2f}" for t in timings))
         return Probe(timings, [], None, check)
 
-    def _time(self, n: int, cfg: PruningConfig, layers: int, dtype, device) -> Timing:
+    def _step(self, n: int, sparse: bool, cfg: PruningConfig, layers: int, dtype, device) -> Callable[[], None]:
+        """One decode step's attention over every layer at context n, dense or pruned, on synthetic KV."""
         heads_q, heads_kv, dim = self._heads
         p = cfg.page_size
         pages = -(-n // p)
@@ -190,18 +191,15 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         table = torch.arange(pages, device=device)[None]
         dense = FlashInferSparse(self.workspace_buffer, self._heads, (dtype, dtype), p, False)
 
-        def run(rows):
-            def step():
-                plan = StepPlan.build(rows, table, per_head=cfg.per_head)
-                for _ in range(layers):
-                    (self.sparse if rows[0].keep else dense).attend(q, k, v, plan, store.kmin[0], store.kmax[0],
-                                                                    dim ** -0.5)
-                torch.cuda.synchronize()
-            return step
+        rows = [row_pages(n, math.nan, cfg) if sparse else all_pages(n, p)]
 
-        from sgl_entropic.crossover import best_time
-
-        return Timing(n, best_time(run([all_pages(n, p)]), 2), best_time(run([row_pages(n, math.nan, cfg)]), 2))
+        def step():
+            plan = StepPlan.build(rows, table, per_head=cfg.per_head)
+            for _ in range(layers):
+                (self.sparse if rows[0].keep else dense).attend(q, k, v, plan, store.kmin[0], store.kmax[0],
+                                                                dim ** -0.5)
+            torch.cuda.synchronize()
+        return step
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
