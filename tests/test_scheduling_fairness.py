@@ -32,7 +32,7 @@ def _arrive(rid: str, prompt: list[int], entropic=None):
 
 
 def test_a_high_target_entropy_buys_no_place_in_the_queue():
-    rt = runtime.install(EntropicConfig(mode="full"))
+    rt = runtime.install(EntropicConfig(mode="full", scheduling={"order": "entropic"}))
     _server(rt)
     plain = _arrive("plain", range(200))
     bidder = _arrive("bidder", range(200), entropic={"target_entropy": 20.0})
