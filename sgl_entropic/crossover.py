@@ -50,8 +50,7 @@ def _timed(fn: Callable[[], object]) -> float:
 def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 3) -> list[Timing]:
     """Time the step `step(context, sparse)` builds, dense and sparse, at each context: the fastest
     of `repeats` calls each after one untimed warm-up, alternating dense and sparse so that a burst
-    of load on a shared machine slows both rather than one (one such burst made a benchmark
-    server's probe miss a 2x crossover)."""
+    of load on a shared machine slows both rather than one."""
     out = []
     for n in contexts:
         dense, sparse = step(n, False), step(n, True)
