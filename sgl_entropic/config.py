@@ -186,6 +186,36 @@ class EntropicConfig(_Section):
         order = self.scheduling.order or ("entropic" if self.mode == "scheduling" else "sglang")
         return self.scheduling_on and order == "entropic"
 
+    def with_queue_policies(self, schedule_policy: Optional[str], retraction_policy: Optional[str],
+                            spell=lambda name, value: f"--{name.replace('_', '-')} {value}"
+                            ) -> tuple[Optional[str], "EntropicConfig"]:
+        """Who orders the queues, the user's choices first: (the schedule policy SGLang gets, the config).
+
+        `entropic` (ours; SGLang's choices are fixed) is the macro loop's order over SGLang's fcfs, in
+        mode scheduling or full. With the scheduling loop on, a schedule or retraction policy the user
+        names is kept and the loop leaves both orders to SGLang (scheduling.order "sglang"; its decode
+        budget still runs). Asking for two orders at once is a ValueError naming both, each as `spell`
+        writes a (parameter, value) pair (the launcher's flags by default).
+        """
+        order = self.scheduling.order
+        if schedule_policy == "entropic":
+            asked = spell("schedule_policy", "entropic")
+            if not self.scheduling_on:
+                raise ValueError(f"{asked} needs the scheduling loop, but the entropic mode is {self.mode}")
+            if order == "sglang":
+                raise ValueError(f"{asked} contradicts scheduling.order 'sglang'")
+            if retraction_policy is not None:
+                raise ValueError(f"{asked} orders the retraction too; drop "
+                                 f"{spell('retraction_policy', retraction_policy)}")
+            return "fcfs", self.model_copy(update={"scheduling": self.scheduling.model_copy(update={"order": "entropic"})})
+        named = [spell(name, value) for name, value in (("schedule_policy", schedule_policy),
+                                                        ("retraction_policy", retraction_policy)) if value is not None]
+        if not self.scheduling_on or not named:
+            return schedule_policy, self
+        if order == "entropic":
+            raise ValueError(f"{named[0]} and scheduling.order 'entropic' both order the queue: drop one of them")
+        return schedule_policy, self.model_copy(update={"scheduling": self.scheduling.model_copy(update={"order": "sglang"})})
+
     @property
     def pruning_on(self) -> bool:
         return self.mode in ("pruning", "full")

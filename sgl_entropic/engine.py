@@ -7,6 +7,8 @@ Without model_path it serves the bundled model with the launcher's CPU defaults.
 reaches the spawned scheduler through the environment only while the engine starts; afterwards
 `os.environ` is as it was. One process holds one entropic config at a time: a second engine with
 another config is refused while the first is alive (shut it down first); the same config is fine.
+Who orders the queues follows the launcher's rules: schedule_policy="entropic" asks for the macro
+loop's order, a policy of SGLang's named with the scheduling loop on is kept.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Engine(SGLangEngine):
     def __init__(self, entropic: str = "full", entropic_config: Optional[dict[str, Any]] = None, **kwargs: Any):
         """Validate our config (pydantic ValidationError on bad values), then start `sgl.Engine`."""
         config = EntropicConfig.model_validate({**(entropic_config or {}), "mode": entropic})
+        config, kwargs = _queue_policies(config, kwargs)
         if any(c != config for c in Engine._live.values()):
             raise ValueError("sgl_entropic.Engine: another engine with a different entropic config is alive in "
                              "this process (the HTTP-side hooks hold one config per process); shut it down first")
@@ -47,6 +50,14 @@ class Engine(SGLangEngine):
     def shutdown(self):
         Engine._live.pop(id(self), None)
         super().shutdown()
+
+
+def _queue_policies(config: EntropicConfig, kwargs: dict[str, Any]) -> tuple[EntropicConfig, dict[str, Any]]:
+    """The launcher's rule for who orders the queues (EntropicConfig.with_queue_policies), spelled as
+    sgl.Engine's parameters: schedule_policy="entropic" runs the macro loop's order over fcfs."""
+    policy, config = config.with_queue_policies(kwargs.get("schedule_policy"), kwargs.get("retraction_policy"),
+                                                spell=lambda name, value: f"{name}={value!r}")
+    return config, kwargs if policy is None else {**kwargs, "schedule_policy": policy}
 
 
 def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -68,35 +68,15 @@ def check_sglang_version(parser: argparse.ArgumentParser) -> None:
 def map_schedule_policy(
     rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser
 ) -> tuple[list[str], EntropicConfig]:
-    """Who orders the queues: the user's choices first.
-
-    `--schedule-policy entropic` (ours; SGLang's choices are fixed) is the macro loop's order over
-    SGLang's fcfs; mode full leaves the order to SGLang unless asked so (EntropicConfig.entropic_order).
-    With the scheduling loop on, a --schedule-policy or --retraction-policy the user names is kept,
-    and the loop leaves both orders to SGLang (scheduling.order = "sglang"; its decode budget still
-    runs). Asking for both orders at once exits with code 2, naming both flags.
-    """
-    policy, retraction = _flag_value(rest, "--schedule-policy"), _flag_value(rest, "--retraction-policy")
-    order = config.scheduling.order
-    if policy == "entropic":
-        if not config.scheduling_on:
-            parser.error(f"--schedule-policy entropic needs the scheduling loop, but --entropic is {config.mode}")
-        if order == "sglang":
-            parser.error(f"--schedule-policy entropic contradicts --entropic-config scheduling.order {order!r}")
-        if retraction is not None:
-            parser.error(f"--schedule-policy entropic orders the retraction too; drop --retraction-policy {retraction}")
-        scheduling = config.scheduling.model_copy(update={"order": "entropic"})
-        return (_drop_flag(rest, "--schedule-policy") + ["--schedule-policy", "fcfs"],
-                config.model_copy(update={"scheduling": scheduling}))
-    named = [f"{flag} {value}" for flag, value in (("--schedule-policy", policy), ("--retraction-policy", retraction))
-             if value is not None]
-    if not config.scheduling_on or not named:
-        return rest, config
-    if order == "entropic":
-        parser.error(f"{named[0]} and --entropic-config scheduling.order 'entropic' both order the queue: "
-                     f"drop one of them")
-    scheduling = config.scheduling.model_copy(update={"order": "sglang"})
-    return rest, config.model_copy(update={"scheduling": scheduling})
+    """Who orders the queues (EntropicConfig.with_queue_policies); a conflict exits with code 2."""
+    policy = _flag_value(rest, "--schedule-policy")
+    try:
+        chosen, config = config.with_queue_policies(policy, _flag_value(rest, "--retraction-policy"))
+    except ValueError as e:
+        parser.error(str(e))
+    if chosen != policy:
+        rest = _drop_flag(rest, "--schedule-policy") + ["--schedule-policy", chosen]
+    return rest, config
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:

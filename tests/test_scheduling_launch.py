@@ -1,4 +1,4 @@
-"""Users' choices first, at the launcher and in /server_info: a --schedule-policy the user names is
+"""Users' choices first, at the launcher, in sgl_entropic.Engine and in /server_info: a --schedule-policy the user names is
 kept (the macro loop leaves the queue orders to SGLang), asking for both orders exits with code 2
 naming both flags, and /server_info reports the order that actually runs. In-process: the launcher
 refuses before it starts anything."""
@@ -10,6 +10,7 @@ import pytest
 
 from sgl_entropic import launch_server
 from sgl_entropic.config import EntropicConfig
+from sgl_entropic.engine import _queue_policies
 from sgl_entropic.plugin import runtime, server_info
 
 
@@ -65,6 +66,25 @@ def test_a_named_policy_is_kept_and_the_loop_leaves_the_order_to_sglang():
     # the choice travels to the scheduler process in the environment, validated again there
     assert EntropicConfig.model_validate_json(_resolve(["--schedule-policy", "lpm"])[1].to_env()).scheduling.order \
         == "sglang"
+
+
+def test_the_engine_follows_the_launchers_rules_in_its_own_spelling():
+    config, kwargs = _queue_policies(EntropicConfig(mode="full"), {"schedule_policy": "entropic", "dtype": "float32"})
+    assert kwargs == {"schedule_policy": "fcfs", "dtype": "float32"} and config.entropic_order
+    config, kwargs = _queue_policies(EntropicConfig(mode="scheduling"), {"schedule_policy": "lpm"})
+    assert kwargs == {"schedule_policy": "lpm"} and config.scheduling.order == "sglang" and not config.entropic_order
+    config, kwargs = _queue_policies(EntropicConfig(mode="scheduling"), {})
+    assert kwargs == {} and config.entropic_order
+    for mode, kwargs, names in [
+        ("pruning", {"schedule_policy": "entropic"}, ["schedule_policy='entropic'", "pruning"]),
+        ("full", {"schedule_policy": "entropic", "retraction_policy": "priority"},
+         ["schedule_policy='entropic'", "retraction_policy='priority'"]),
+    ]:
+        with pytest.raises(ValueError) as err:
+            _queue_policies(EntropicConfig(mode=mode), kwargs)
+        assert all(name in str(err.value) for name in names), err.value
+    with pytest.raises(ValueError, match="schedule_policy='lpm' and scheduling.order"):
+        _queue_policies(EntropicConfig(mode="full", scheduling={"order": "entropic"}), {"schedule_policy": "lpm"})
 
 
 def _scheduler(policy="fcfs", retraction="length", priority=False):
