@@ -198,6 +198,10 @@ class EntropicConfig(_Section):
         writes a (parameter, value) pair (the launcher's flags by default).
         """
         order = self.scheduling.order
+
+        def ordered(by: str) -> "EntropicConfig":
+            return self.model_copy(update={"scheduling": self.scheduling.model_copy(update={"order": by})})
+
         if schedule_policy == "entropic":
             asked = spell("schedule_policy", "entropic")
             if not self.scheduling_on:
@@ -207,14 +211,14 @@ class EntropicConfig(_Section):
             if retraction_policy is not None:
                 raise ValueError(f"{asked} orders the retraction too; drop "
                                  f"{spell('retraction_policy', retraction_policy)}")
-            return "fcfs", self.model_copy(update={"scheduling": self.scheduling.model_copy(update={"order": "entropic"})})
+            return "fcfs", ordered("entropic")
         named = [spell(name, value) for name, value in (("schedule_policy", schedule_policy),
                                                         ("retraction_policy", retraction_policy)) if value is not None]
         if not self.scheduling_on or not named:
             return schedule_policy, self
         if order == "entropic":
             raise ValueError(f"{named[0]} and scheduling.order 'entropic' both order the queue: drop one of them")
-        return schedule_policy, self.model_copy(update={"scheduling": self.scheduling.model_copy(update={"order": "sglang"})})
+        return schedule_policy, ordered("sglang")
 
     @property
     def pruning_on(self) -> bool:

@@ -1,7 +1,7 @@
-"""Users' choices first, at the launcher, in sgl_entropic.Engine and in /server_info: a --schedule-policy the user names is
-kept (the macro loop leaves the queue orders to SGLang), asking for both orders exits with code 2
-naming both flags, and /server_info reports the order that actually runs. In-process: the launcher
-refuses before it starts anything."""
+"""Users' choices first, at the launcher, in sgl_entropic.Engine and in /server_info: a --schedule-policy
+the user names is kept (the macro loop leaves the queue orders to SGLang), asking for both orders exits
+with code 2 naming both flags (a ValueError in the Engine), and /server_info reports the order that
+actually runs. In-process: the launcher refuses before it starts anything."""
 
 import argparse
 from types import SimpleNamespace
