@@ -42,7 +42,7 @@ def sgl_kernel_origin() -> str:
     spec = importlib.util.find_spec("sgl_kernel")
     if spec is None:
         return "missing"
-    return "stand-in" if spec.origin and spec.origin.endswith("_sgl_kernel_cpu.py") else "real"
+    return "stand-in" if spec.origin and spec.origin.endswith("_sgl_kernel_cpu/__init__.py") else "real"
 
 
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"

@@ -25,7 +25,7 @@ def _run(code: str, extra_path: str | None = None) -> str:
 
 def test_stand_in_is_served_in_a_fresh_interpreter():
     # A fresh interpreter, like SGLang's spawned scheduler: the .pth installs the finder.
-    assert _run("import sgl_kernel; print(sgl_kernel.__file__)").endswith("_sgl_kernel_cpu.py")
+    assert _run("import sgl_kernel; print(sgl_kernel.__file__)").endswith("_sgl_kernel_cpu/__init__.py")
 
 
 def test_real_sgl_kernel_wins(tmp_path):

@@ -2,10 +2,20 @@
 
 SGLang's CPU path imports a few `*_cpu` ops from `sgl_kernel` at module import time; the CPU
 build of sgl_kernel is compiled from source only. A dense Llama model on CPU calls just
-`assign_req_to_token_pool_cpu`; every other name imports fine and raises if it is called.
+`assign_req_to_token_pool_cpu`; NGRAM speculative decoding calls the ops of `speculative.py`
+(also served as `sgl_kernel.speculative`). Every other name imports fine and raises if it is called.
 """
 
 import torch
+
+from .speculative import (  # noqa: F401  (SGLang imports these from the top level)
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 
 
 def assign_req_to_token_pool_cpu(
