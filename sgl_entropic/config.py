@@ -160,11 +160,27 @@ class PruningConfig(_Section):
         return self
 
 
+class SpeculativeConfig(_Section):
+    """Under SGLang's NGRAM speculative decoding: how wide each verify step is (sgl_entropic/speculative.py).
+
+    The maximum is SGLang's --speculative-num-draft-tokens; the controller and the traces follow every
+    committed token whatever the rule.
+    """
+
+    algorithm: Optional[Literal["NGRAM"]] = Field(
+        None, description="set by the launcher and the Engine from SGLang's --speculative-algorithm (None: no "
+        "speculation); not a setting of its own")
+    draft: Literal["fixed", "matched", "acceptance", "entropy"] = Field(
+        "entropy", description="verify width per step: fixed (SGLang's maximum), matched (what the trie offers), "
+        "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H))")
+
+
 class EntropicConfig(_Section):
     mode: Mode = "full"
     sampling: SamplingConfig = SamplingConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     pruning: PruningConfig = PruningConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @model_validator(mode="after")
     def _every_request_needs_sampling(self) -> "EntropicConfig":
@@ -219,6 +235,10 @@ class EntropicConfig(_Section):
         if order == "entropic":
             raise ValueError(f"{named[0]} and scheduling.order 'entropic' both order the queue: drop one of them")
         return schedule_policy, ordered("sglang")
+
+    @property
+    def speculative_on(self) -> bool:
+        return self.speculative.algorithm is not None
 
     @property
     def pruning_on(self) -> bool:

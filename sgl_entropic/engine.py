@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Optional
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
 from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
+from sgl_entropic.server_args import speculative_args, spell_kwarg
 
 
 class Engine(SGLangEngine):
@@ -28,10 +29,12 @@ class Engine(SGLangEngine):
         """Validate our config (pydantic ValidationError on bad values), then start `sgl.Engine`."""
         config = EntropicConfig.model_validate({**(entropic_config or {}), "mode": entropic})
         config, kwargs = _queue_policies(config, kwargs)
+        kwargs = _engine_kwargs(config, kwargs)
+        config, updates = speculative_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)
+        kwargs = {**kwargs, **updates}
         if any(c != config for c in Engine._live.values()):
             raise ValueError("sgl_entropic.Engine: another engine with a different entropic config is alive in "
                              "this process (the HTTP-side hooks hold one config per process); shut it down first")
-        kwargs = _engine_kwargs(config, kwargs)
         from sgl_entropic.cpu import apply_cpu_environment
 
         apply_cpu_environment(kwargs.get("device", "cuda"))

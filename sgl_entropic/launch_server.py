@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from sgl_entropic.config import (ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, MODES, EntropicConfig,
                                  format_error, parse_config_arg)
+from sgl_entropic.server_args import BOOLEAN_FIELDS, SPECULATIVE_FIELDS, flag, speculative_args, spell_flag
 
 # Applied only when the user did not pass the flag themselves.
 BUNDLED_MODEL_DEFAULTS = {
@@ -128,6 +129,43 @@ def refuse_unsafe_kv_paths(rest: list[str], config: EntropicConfig, parser: argp
                      f"drop one (or use --entropic sampling|scheduling)")
 
 
+def map_speculative_flags(rest: list[str], config: EntropicConfig,
+                          parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
+    """SGLang's speculative flags under the plugin (server_args.speculative_args); a refusal exits with code 2."""
+    given = {}
+    for name in SPECULATIVE_FIELDS:
+        if name in BOOLEAN_FIELDS:
+            if _has_flag(rest, flag(name)):
+                given[name] = True
+        elif (value := _flag_value(rest, flag(name))) is not None:
+            given[name] = _number(value)
+    try:
+        config, updates = speculative_args(config, given, _device(rest), spell_flag)
+    except ValueError as err:
+        parser.error(str(err))
+    for name, value in updates.items():
+        rest = rest + [flag(name), str(value)]
+    return rest, config
+
+
+def _number(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _device(argv: list[str]) -> str:
+    device = _flag_value(argv, "--device")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
@@ -151,11 +189,8 @@ def sglang_argv(rest: list[str]) -> list[str]:
         for flag, value in BUNDLED_MODEL_DEFAULTS.items():
             if not _has_flag(argv, flag):
                 argv += [flag, value]
-    if not _has_flag(argv, "--device"):
-        import torch
-
-        if not torch.cuda.is_available():
-            argv += ["--device", "cpu"]
+    if not _has_flag(argv, "--device") and _device(argv) == "cpu":
+        argv += ["--device", "cpu"]
     return argv
 
 
@@ -171,6 +206,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rest, config = map_schedule_policy(rest, config, parser)
     rest = select_attention_backend(rest, config, parser)
     refuse_unsafe_kv_paths(rest, config, parser)
+    rest, config = map_speculative_flags(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()
 

@@ -9,7 +9,7 @@ import importlib.machinery
 import pytest
 import torch
 
-from sgl_entropic._sgl_kernel_cpu import assign_req_to_token_pool_cpu
+from sgl_entropic._sgl_kernel_cpu import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
 # Where a real sgl_kernel is installed (a GPU machine), the stand-in is never served: nothing to test.
 pytestmark = pytest.mark.skipif(importlib.machinery.PathFinder.find_spec("sgl_kernel") is not None,
@@ -36,10 +36,10 @@ def test_real_sgl_kernel_wins(tmp_path):
 
 def test_other_names_import_but_refuse_to_run():
     out = _run(
-        "from sgl_kernel import copy_all_layer_kv_cache_cpu as f\n"
+        "from sgl_kernel import rotate_input_ids_cpu as f\n"
         "try:\n    f()\nexcept NotImplementedError as e:\n    print('refused:', e)"
     )
-    assert out.startswith("refused: sgl_kernel.copy_all_layer_kv_cache_cpu")
+    assert out.startswith("refused: sgl_kernel.rotate_input_ids_cpu")
 
 
 def test_assign_req_to_token_pool_matches_reference():
@@ -52,6 +52,19 @@ def test_assign_req_to_token_pool_matches_reference():
     expected[2, 3:6] = torch.tensor([11, 12, 13], dtype=torch.int32)
     expected[0, 0:2] = torch.tensor([21, 22], dtype=torch.int32)
     assert torch.equal(req_to_token, expected)
+
+
+def test_copy_all_layer_kv_cache_moves_every_buffer_s_slots_reading_sources_first():
+    # as SGLang's KV pool hands them over: each layer's K and V buffer by address, with its slot stride in bytes
+    buffers = [torch.randn(12, 3, 4, dtype=dtype) for dtype in (torch.float32, torch.bfloat16) for _ in range(2)]
+    pointers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64)
+    strides = torch.tensor([b[0].nbytes for b in buffers])
+    tgt, src = torch.tensor([3, 4, 5]), torch.tensor([4, 9, 3])  # 4 is both a source and a target
+    expected = [b.clone() for b in buffers]
+    for b in expected:
+        b[tgt] = b[src].clone()
+    copy_all_layer_kv_cache_cpu(pointers, strides, tgt, src)
+    assert all(torch.equal(b, e) for b, e in zip(buffers, expected))
 
 
 def test_ranks_get_disjoint_equal_core_groups_in_sglang_s_bind_syntax():

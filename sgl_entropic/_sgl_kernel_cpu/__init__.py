@@ -2,9 +2,11 @@
 
 SGLang's CPU path imports a few `*_cpu` ops from `sgl_kernel` at module import time; the CPU
 build of sgl_kernel is compiled from source only. A dense Llama model on CPU calls just
-`assign_req_to_token_pool_cpu`; NGRAM speculative decoding calls the ops of `speculative.py`
-(also served as `sgl_kernel.speculative`). Every other name imports fine and raises if it is called.
+`assign_req_to_token_pool_cpu`; NGRAM speculative decoding calls `copy_all_layer_kv_cache_cpu` and
+the ops of `speculative.py` (also served as `sgl_kernel.speculative`). Every other name imports fine and raises if it is called.
 """
+
+import ctypes
 
 import torch
 
@@ -35,6 +37,24 @@ def assign_req_to_token_pool_cpu(
         n = end - start
         req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
         offset += n
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
+                                src_loc: torch.Tensor) -> None:
+    """Every KV buffer's slot tgt_loc[i] = its slot src_loc[i] (speculative decoding moves accepted drafts' KV).
+
+    The buffers come as raw addresses with their slot strides in bytes (`MHATokenToKVPool.data_ptrs`); each is
+    viewed in place as bytes up to the highest slot touched. Sources are read before any target is written,
+    as the tiled Triton copy does.
+    """
+    if tgt_loc.numel() == 0:
+        return
+    tgt, src = tgt_loc.long(), src_loc.long()
+    slots = int(torch.maximum(tgt.max(), src.max())) + 1
+    for address, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (slots * stride)).from_address(address)
+        buffer = torch.frombuffer(raw, dtype=torch.uint8).view(slots, stride)
+        buffer[tgt] = buffer[src]
 
 
 def __getattr__(name: str):

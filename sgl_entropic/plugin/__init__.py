@@ -100,6 +100,19 @@ def hook_table(config: EntropicConfig, times: Optional[timing.HookTimes] = None)
         if config.pruning.selector == "surprisal":  # its prompt scores, from the model's logits
             table.append(Hook(S + "layers.logits_processor.LogitsProcessor.forward", "around",
                               attention.around_logits_forward, "scheduler"))
+    if config.speculative_on:  # NGRAM: the step's width, verification under the controller (speculation.py)
+        from sgl_entropic.plugin import speculation
+
+        worker = S + "speculative.ngram_worker.NGRAMWorker."
+        table += [
+            Hook(worker + "_prepare_for_speculative_decoding", "around",
+                 speculation.around_prepare_for_speculative_decoding, "scheduler"),
+            Hook(worker + "forward_batch_generation", "around", speculation.around_forward_batch_generation,
+                 "scheduler"),
+            Hook(S + "speculative.eagle_utils.eagle_sample", "around", speculation.around_eagle_sample, "scheduler"),
+            # SGLang's draft-slot allocation picks a Triton kernel unless the backend is named torch_native
+            Hook(S + "mem_cache.allocation.get_last_loc", "around", speculation.around_get_last_loc, "scheduler"),
+        ]
     return timing.timed(table, times) if times is not None else tuple(table)
 
 
@@ -132,7 +145,7 @@ def activate(config: EntropicConfig, apply: bool = False) -> None:
     table = hook_table(config, times)
     runtime.install(config, table, times)
     hooks.register(table)
-    if config.pruning_on:
+    if config.pruning_on or config.speculative_on:
         from sgl_entropic.plugin import attention
 
         attention.register_backend()

@@ -28,7 +28,7 @@ def _learn_model(rt: Runtime, scheduler) -> None:
     if scheduler.server_args.enable_metrics:
         from sgl_entropic.plugin.metrics import EntropicMetrics
 
-        rt.metrics = EntropicMetrics()
+        rt.metrics = EntropicMetrics(speculative=rt.config.speculative_on)
 
 
 def after_create_generation_req(req, scheduler, *args, **kwargs):

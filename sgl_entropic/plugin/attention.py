@@ -32,6 +32,7 @@ from sgl_entropic.crossover import CONTEXTS, crossover, measure
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.plugin.self_check import SelfCheck, run_self_check
+from sgl_entropic.plugin.verify_attention import TreeVerifyAttnBackend
 from sgl_entropic.pruning import (
     StepPlan,
     all_pages,
@@ -132,7 +133,9 @@ class PagePlanner:
         return StepPlan.build(rows, page_table, per_head=self.cfg.per_head, group_tokens=self.group_tokens)
 
     def note_dense_step(self, forward_batch) -> None:
-        """A decode step that does not prune folds no keys: its KV slots wait for the next fold."""
+        """A decode (or speculative verify) step that does not prune folds no keys: its KV slots wait for the
+        next fold, which reads the keys they hold then (a rejected draft's slot is rewritten first, or folds
+        a key the page's bound may include: a looser bound, never a wrong one)."""
         self._fold_decode = False
         locs = forward_batch.out_cache_loc
         self._deferred.append(locs)
@@ -161,7 +164,8 @@ class PagePlanner:
 
     def write_keys(self, layer, forward_batch, k_cache: torch.Tensor) -> None:
         """After a layer wrote its KV: fold the keys into the page bounds (a dense decode step defers)."""
-        if layer.is_cross_attention or (forward_batch.forward_mode.is_decode() and not self._fold_decode):
+        mode = forward_batch.forward_mode
+        if layer.is_cross_attention or ((mode.is_decode() or mode.is_target_verify()) and not self._fold_decode):
             return
         locs = forward_batch.out_cache_loc
         self.store.write_keys(layer.layer_id, locs, k_cache[locs])
@@ -184,8 +188,8 @@ class Probe:
     check: SelfCheck
 
 
-class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
-    """torch_native with page-sparse decode (CPU)."""
+class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
+    """torch_native with page-sparse decode (CPU); speculative verify steps attend densely."""
 
     def __init__(self, model_runner, cfg: PruningConfig):
         super().__init__(model_runner)
@@ -275,6 +279,10 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self._dense_plan = None
+        if forward_batch.forward_mode.is_target_verify():  # a speculative step attends densely: its keys wait
+            self.planner.note_dense_step(forward_batch)
+            self.plan = None
+            return
         if not forward_batch.forward_mode.is_decode():
             self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
             self.plan = None
@@ -319,10 +327,17 @@ class EntropicTorchNativeAttnBackend(TorchNativeAttnBackend):
 
 
 def create_backend(model_runner):
-    """`--attention-backend entropic`: FlashInfer on CUDA, torch_native elsewhere."""
+    """`--attention-backend entropic`: with pruning, FlashInfer on CUDA and torch_native elsewhere; without
+    (speculative decoding on CPU), torch_native with the verify forward it lacks."""
     rt = runtime.current()
     cfg = rt.config.pruning
-    if str(model_runner.device).startswith("cuda"):
+    cuda = str(model_runner.device).startswith("cuda")
+    if not rt.config.pruning_on:
+        if cuda:
+            raise ValueError(f"--attention-backend {BACKEND_NAME} without pruning serves CPU verification only; "
+                             "on CUDA keep SGLang's own backend")
+        return TreeVerifyAttnBackend(model_runner)
+    if cuda:
         if model_runner.use_mla_backend:
             raise ValueError("--attention-backend entropic: MLA models are not supported (their KV layout differs)")
         from sgl_entropic.plugin.attention_flashinfer import EntropicFlashInferAttnBackend
@@ -336,7 +351,7 @@ def create_backend(model_runner):
 
 
 def register_backend() -> None:
-    """`--attention-backend entropic` (the launcher passes it for pruning|full)."""
+    """`--attention-backend entropic` (the launcher passes it for pruning|full, and for speculation on CPU)."""
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 

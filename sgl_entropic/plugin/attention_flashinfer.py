@@ -204,6 +204,9 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self.pruned = False
+        if forward_batch.forward_mode.is_target_verify():  # a speculative step attends densely: its keys wait
+            self.planner.note_dense_step(forward_batch)
+            return
         if not forward_batch.forward_mode.is_decode():
             self.planner.fold_deferred()  # before this extend's writes, which may restart a reused page
             return
@@ -222,7 +225,8 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         """Graph capture and replay: only batches that do not prune get here (around_can_run_graph)."""
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self.pruned = False
-        if forward_batch.forward_mode.is_decode() and not in_capture:
+        mode = forward_batch.forward_mode
+        if (mode.is_decode() or mode.is_target_verify()) and not in_capture:  # replayed: its keys wait for a fold
             self.planner.note_dense_step(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 class EntropicMetrics:
-    def __init__(self):
+    def __init__(self, speculative: bool = False):
         # imported here: prometheus_client must see PROMETHEUS_MULTIPROC_DIR, set by SGLang at startup
         from prometheus_client import Counter, Gauge, Histogram
 
@@ -48,6 +48,14 @@ class EntropicMetrics:
             "Share of a decode step's wall time spent in the plugin's hook handlers.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
         )
+        if speculative:  # NGRAM under the draft rule (speculation.py): per request and verify step
+            drafts = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+            self.drafted = Histogram("sglang:entropic_drafted_tokens", "Draft tokens a request verified in a step.",
+                                     buckets=drafts)
+            self.accepted = Histogram("sglang:entropic_accepted_tokens", "Draft tokens a request accepted in a step.",
+                                      buckets=drafts)
+            self.width = Histogram("sglang:entropic_verify_width", "Nodes per request of each verify step (the "
+                                   "draft rule's width).", buckets=tuple(d + 1 for d in drafts))
 
     def observe(self, entropies: list[float], step_tau: float, step_flops: float, attended: list[float] = (),
                 temperatures: list[float] = (), parked: int = 0) -> None:
@@ -63,6 +71,12 @@ class EntropicMetrics:
         self.cost.inc(step_flops / 1e9)
         if step_flops > 0:
             self.efficiency.set(step_tau / (step_flops / 1e9))
+
+    def observe_verify(self, drafted: list[int], accepted: list[int], width: int) -> None:
+        for d, a in zip(drafted, accepted):
+            self.drafted.observe(d)
+            self.accepted.observe(a)
+        self.width.observe(width)
 
     def observe_plugin_step(self, plugin_ns: int, wall_ns: int) -> None:
         self.plugin_time.observe(plugin_ns / 1e9)

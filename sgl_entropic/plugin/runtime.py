@@ -38,6 +38,7 @@ class RequestState:
     mirostat: Optional[MirostatState] = None
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
+    last_step_entropy: Optional[float] = None  # mean entropy of the tokens its last step committed (draft sizing)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Runtime:
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
     probe: Any = None  # its start-up pass: self-check, crossover timings (attention.Probe)
+    speculation: Any = None  # under NGRAM speculative decoding: the draft rule's state (speculation.Speculation)
     # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
     served: float = 0.0
     arrivals: int = 0

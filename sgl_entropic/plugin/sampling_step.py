@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import torch
@@ -34,6 +34,9 @@ logger = logging.getLogger("sgl_entropic")
 CONTROLLER_FIELDS = tuple(f.name for f in fields(ControllerBatch))
 MIROSTAT_FIELDS = tuple(f.name for f in fields(MirostatBatch))
 _T, _STEPS = CONTROLLER_FIELDS.index("temperature"), CONTROLLER_FIELDS.index("steps_done")
+# Under speculative decoding every token carries its step's draft counts (on the step's first token): a
+# token sampled outside verification carries none, so that the per-token lists stay aligned.
+NO_DRAFT = {"drafted": None, "accepted": None}
 
 
 @dataclass
@@ -184,47 +187,70 @@ class PendingRecord:
             self.ready.synchronize()  # already done where SGLang has read the batch's tokens
         host = self.host.tolist()  # a host tensor: no device read
         entropy, surprisal, valid, used_t = host[:4]
-        seq_lens = self.seq_lens
-
-        attended = self.rows.attended
-        step_tau = step_flops = 0.0
-        measured, fractions, temperatures, parked = [], [], [], 0
+        attended, read = self.rows.attended, self.rows.read
+        tally = StepTally()
         for i, state in enumerate(self.rows.states):
             if state is None:
                 continue
             if state.controller is not None:
                 state.controller.temperature = used_t[i]
                 state.controller.steps_done += 1
-                temperatures.append(used_t[i])
             if state.mirostat is not None and len(host) > 4:
                 state.mirostat.mu = host[4][i]
             if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
                 state.decode_skips = state.parked_before_token = 0
-            trace = state.trace
-            ok = valid[i] > 0
             fraction = attended[i] if attended is not None else 1.0
-            if self.rows.decode:
-                fractions.append(fraction)
-                parked += self.parked[i]
-            if ok:
-                cost = step_cost(rt.dims, seq_lens[i] * (self.rows.read[i] if self.rows.read is not None else fraction))
-                step_tau += trace.record(entropy[i], surprisal[i], cost)
-                step_flops += cost
-                state.gain.observe(entropy[i])
-                measured.append(entropy[i])
-            # null marks a step whose logits were not finite (nothing measured, tau unchanged)
-            append_customized(
-                self.rows.reqs[i],
-                entropy=entropy[i] if ok else None,
-                surprisal=surprisal[i] if ok else None,
-                temperature=used_t[i],
-                parked=self.parked[i],
-                attended=fraction,
-                _entropic_time=trace.tau,
-                _entropic_efficiency=trace.efficiency,
-            )
+            cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction))
+            record_token(rt, self.rows.reqs[i], state, tally, entropy[i], surprisal[i], valid[i] > 0, used_t[i], cost,
+                         parked=self.parked[i], attended=fraction, decode=self.rows.decode,
+                         **(NO_DRAFT if rt.config.speculative_on else {}))
+            state.last_step_entropy = entropy[i] if valid[i] > 0 else None
+        tally.report(rt)
+
+
+@dataclass
+class StepTally:
+    """A step's contribution to the metrics, summed over its tokens."""
+
+    tau: float = 0.0
+    flops: float = 0.0
+    measured: list = field(default_factory=list)
+    fractions: list = field(default_factory=list)
+    temperatures: list = field(default_factory=list)
+    parked: int = 0
+
+    def report(self, rt: Runtime) -> None:
         if rt.metrics is not None:
-            rt.metrics.observe(measured, step_tau, step_flops, fractions, temperatures, parked)
+            rt.metrics.observe(self.measured, self.tau, self.flops, self.fractions, self.temperatures, self.parked)
+
+
+def record_token(rt: Runtime, req, state: RequestState, tally: StepTally, entropy: float, surprisal: float, ok: bool,
+                 temperature: float, cost: float, parked: int = 0, attended: float = 1.0, decode: bool = True,
+                 **extra) -> None:
+    """One committed token: its trace (tau, cost), the gain memory, the per-token values for the client."""
+    trace = state.trace
+    if state.controller is not None:
+        tally.temperatures.append(temperature)
+    if decode:
+        tally.fractions.append(attended)
+        tally.parked += parked
+    if ok:
+        tally.tau += trace.record(entropy, surprisal, cost)
+        tally.flops += cost
+        state.gain.observe(entropy)
+        tally.measured.append(entropy)
+    # null marks a step whose logits were not finite (nothing measured, tau unchanged)
+    append_customized(
+        req,
+        entropy=entropy if ok else None,
+        surprisal=surprisal if ok else None,
+        temperature=temperature,
+        parked=parked,
+        attended=attended,
+        **extra,
+        _entropic_time=trace.tau,
+        _entropic_efficiency=trace.efficiency,
+    )
 
 
 def append_customized(req, **values) -> None:
@@ -241,7 +267,8 @@ def append_customized(req, **values) -> None:
 def after_forward_batch_init(forward_batch, cls, batch, *args, **kwargs):
     rt = runtime.current()
     reqs = list(batch.reqs or ())
-    decode = forward_batch.forward_mode.is_decode()
+    mode = forward_batch.forward_mode
+    decode = mode.is_decode() or mode.is_target_verify()  # a verify step decodes every row
     if decode:
         produces = [True] * len(reqs)
     else:

@@ -97,6 +97,8 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
         "plugin_time": rt.times.summary(),  # the hook handlers' own time per decode step (timing.py)
     }
+    if rt.speculation is not None:  # the draft rule at work (speculation.py)
+        result.internal_state[ENTROPIC_KEY]["speculative"] = rt.speculation.summary()
     return result
 
 

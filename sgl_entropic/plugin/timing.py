@@ -3,7 +3,8 @@
 `plugin.hook_table` wraps every scheduler-process handler once (`timed`): two `perf_counter_ns`
 reads and two list updates per call, no lock, nothing allocated beyond the call's own. An around
 handler's time excludes the original it wraps (SGLang's work, or a nested hook's, which counts for
-that hook). A step is one scheduler loop iteration that runs a batch, from one
+that hook), and a handler that replaces SGLang's code excludes the SGLang functions it calls through
+`HookTimes.sglang`. A step is one scheduler loop iteration that runs a batch, from one
 `Scheduler.get_next_batch_to_run` to the next; its batch is that call's `last_batch`, so an idle
 iteration (no batch) is never counted, and neither is the sleep of `--sleep-on-idle` in it. Decode
 steps are aggregated: the plugin's time in the step, the step's wall time, and their ratio.
@@ -38,6 +39,15 @@ class HookTimes:
         self.share_sum = 0.0
         self.hook_ns: list[int] = []
         self.hook_calls: list[int] = []
+        self.sglang_ns = [0]  # SGLang's own work run from inside a handler (`sglang`): not the handler's time
+
+    def sglang(self, fn: Callable, *args, **kwargs):
+        """Call SGLang's own work from inside a handler that replaces its caller: the time is not the plugin's."""
+        t0 = self.now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.sglang_ns[0] += self.now() - t0
 
     def add(self, name: str) -> int:
         """A slot for one hook; its index is what the wrapper writes to."""
@@ -88,15 +98,16 @@ def timed(table: Sequence[Hook], times: HookTimes) -> tuple[Hook, ...]:
 def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
     i, handler, now = times.add(_name(hook)), hook.handler, times.now
     ns, calls = times.ns, times.calls  # the same lists for the process's life (boundary zeroes them in place)
+    sglang_ns = times.sglang_ns
 
     if hook.kind != "around":
         @functools.wraps(handler)  # __wrapped__: hooks.is_applied still finds our handler
         def wrapper(*args, **kwargs):
-            t0 = now()
+            t0, s0 = now(), sglang_ns[0]
             try:
                 return handler(*args, **kwargs)
             finally:
-                ns[i] += now() - t0
+                ns[i] += now() - t0 - (sglang_ns[0] - s0)
                 calls[i] += 1
         return wrapper
 
@@ -105,21 +116,22 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
     def timed_original(original):
         if memo[0] is not original:
             def run(*args, **kwargs):
-                t0 = now()
+                t0, s0 = now(), sglang_ns[0]
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    ns[i] -= now() - t0  # not the plugin's time
+                    # not the plugin's time; what `sglang` excluded inside it is excluded once, below
+                    ns[i] -= now() - t0 - (sglang_ns[0] - s0)
             memo[:] = original, run
         return memo[1]
 
     @functools.wraps(handler)
     def around(original, *args, **kwargs):
-        t0 = now()
+        t0, s0 = now(), sglang_ns[0]
         try:
             return handler(timed_original(original), *args, **kwargs)
         finally:
-            ns[i] += now() - t0
+            ns[i] += now() - t0 - (sglang_ns[0] - s0)
             calls[i] += 1
     return around
 

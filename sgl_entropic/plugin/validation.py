@@ -90,4 +90,9 @@ def after_verify(result, sampling_params, *args, **kwargs):
     """SamplingParams.verify, in the tokenizer manager: ValueError -> HTTP 400 / OpenAI BadRequest."""
     check_custom_params_shape(sampling_params.custom_params)
     check_logit_bias(sampling_params.logit_bias)
-    request_controllers(sampling_params, runtime.current().config)
+    config = runtime.current().config
+    _, mirostat = request_controllers(sampling_params, config)
+    if config.speculative_on:
+        from sgl_entropic.plugin.speculation import refuse_request
+
+        refuse_request(sampling_params, mirostat is not None)

@@ -1,0 +1,324 @@
+"""SGLang's NGRAM speculative decoding under the loops, in the scheduler process.
+
+Three hooks on SGLang's NGRAM worker (`speculative/ngram_worker.py`):
+  - `_prepare_for_speculative_decoding`: the same verify batch SGLang builds, at the width the server's rule
+    picks for this step (`sgl_entropic.speculative.DraftSizer`) instead of always the maximum;
+  - `eagle_sample` (NGRAM's verification): every node is sampled from the distribution sequential decoding
+    would sample there (the request's temperature, top-k/top-p/min-p and seed; the zero-lag controller along
+    the node's path), and the drafts that match are accepted (greedy: the argmax, as SGLang does). SGLang's
+    own verify never applies the controller and on CPU always commits the argmax;
+  - `forward_batch_generation`: the step's time (the entropy rule's cost model) and its output stride.
+Every committed token then gets its entropy, surprisal and temperature from the verify logits, and its trace
+the step's real work: a verify over W nodes costs W tokens' compute, charged on the step's first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from sgl_entropic.costs import step_cost
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.runtime import Runtime
+from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, StepTally, record_token,
+                                               to_device)
+from sgl_entropic.sampling import ControllerBatch
+from sgl_entropic.signal import token_stats
+from sgl_entropic.speculative import DraftSizer, StepTimes, offered_drafts, tree_temperatures
+
+logger = logging.getLogger("sgl_entropic")
+
+
+@dataclass
+class VerifyStep:
+    """One verify step's plan, from draft preparation to the record of its result."""
+
+    width: int  # nodes per row, the root included
+    offers: list[int]  # drafts each row's trie match offered
+    parent: torch.Tensor  # [bs, W] each node's parent (-1: the root), on the model's device
+    seconds: float = 0.0  # the whole step, draft preparation to verification
+
+    @property
+    def drafted(self) -> list[int]:
+        return [min(self.width - 1, k) for k in self.offers]
+
+
+@dataclass
+class Speculation:
+    """The server's speculative state: the rule's memory and what it reports."""
+
+    sizer: DraftSizer
+    step: Optional[VerifyStep] = None  # the step being run (prepare -> verify -> its end)
+    sampler: object = None  # the model runner's Sampler, which samples every node
+    steps: int = 0
+    rows: int = 0  # row-steps
+    verified: int = 0  # tokens the verify forwards ran (rows * W)
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+
+    def summary(self) -> dict:
+        """`/server_info` -> internal_states[i].entropic.speculative."""
+        per = lambda x, n: x / n if n else None  # noqa: E731
+        return {"rule": self.sizer.rule, "max_width": self.sizer.max_width, "verify_steps": self.steps,
+                "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
+                "accepted_per_row_step": per(self.accepted, self.rows),
+                "verified_per_committed_token": per(self.verified, self.committed),
+                "step_time_fit_s": dict(zip(("t0", "t1_per_token"), self.sizer.times.fit()))}
+
+
+def speculation(rt: Runtime, worker) -> Speculation:
+    if rt.speculation is None:
+        cfg = rt.config.speculative
+        rt.speculation = Speculation(DraftSizer(cfg.draft, worker.speculative_num_draft_tokens, StepTimes()),
+                                     sampler=worker.model_runner.sampler)
+    return rt.speculation
+
+
+def tree_parents(mask: torch.Tensor) -> torch.Tensor:
+    """[bs, W] each node's parent, the largest strict ancestor in `mask` [bs, W, W] (-1: none)."""
+    width = mask.shape[1]
+    node = torch.arange(width)
+    ancestors = mask.bool() & (node[None, :] < node[:, None])
+    return torch.where(ancestors, node, -1).amax(-1)
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kwargs):
+    """SGLang's verify batch (`NGRAMWorker._prepare_for_speculative_decoding`), at this step's width."""
+    if not batch.forward_mode.is_decode():
+        return original(worker, batch, *args, **kwargs)
+    from sglang.srt.speculative import ngram_worker as nw
+
+    rt = runtime.current()
+    spec = speculation(rt, worker)
+    bs, full, device = len(batch.reqs), spec.sizer.max_width, worker.device
+    worker.draft_token_num = full  # the corpus returns full-width trees
+    drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
+    drafts, mask = torch.from_numpy(drafts).view(bs, full), torch.from_numpy(mask).view(bs, full, full)
+    offers = offered_drafts(drafts, mask).tolist()
+    entropies = [getattr(getattr(r, "entropic", None), "last_step_entropy", None) for r in batch.reqs]
+    width = spec.sizer.width(offers, entropies)
+    drafts, mask = drafts[:, :width].contiguous(), mask[:, :width, :width].contiguous()
+    spec.step = VerifyStep(width, offers, to_device(tree_parents(mask).tolist(), device))
+
+    def build():  # SGLang's own steps, at `width`
+        tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
+        draft_tokens = drafts.reshape(-1).to(device)
+        positions = torch.empty(bs * width, dtype=torch.int64, device=device)
+        links = [torch.empty((bs, width), dtype=torch.int64, device=device) for _ in range(3)]
+        nw.reconstruct_indices_from_tree_mask_func(tree_mask, batch.seq_lens, positions, *links, bs, width)
+        if nw.USE_FULL_MASK and not nw._is_cpu:  # FlashInfer reads each row's prefix columns too
+            tree_mask = torch.cat([torch.cat((torch.ones(width, int(n), device=device, dtype=torch.bool),
+                                              mask[b].to(device=device, dtype=torch.bool)), dim=1).flatten()
+                                   for b, n in enumerate(batch.seq_lens_cpu.tolist())])
+        batch.forward_mode = nw.ForwardMode.TARGET_VERIFY
+        batch.input_ids = draft_tokens
+        batch.out_cache_loc = nw.assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens, end_offset=batch.seq_lens + width, batch_size=bs, draft_token_num=width,
+            device=device)
+        nw.prepare_mamba_track_for_verify(batch)
+        batch.spec_info = nw.NgramVerifyInput(
+            draft_token=draft_tokens, custom_mask=tree_mask, positions=positions, retrieve_index=links[0],
+            retrieve_next_token=links[1], retrieve_next_sibling=links[2], draft_token_num=width)
+        worker.grammar_tree_host = (mask.reshape(-1).numpy(), drafts.reshape(-1).numpy()) if batch.has_grammar \
+            else None
+
+    rt.times.sglang(build)
+    worker.draft_token_num = width  # the rest of the step reads it (the mamba commit, the next draft input)
+
+
+def around_forward_batch_generation(original, worker, batch, *args, **kwargs):
+    """One NGRAM step: its time for the cost model, its output stride (the step's width), the width restored."""
+    rt = runtime.current()
+    spec = speculation(rt, worker)
+    spec.step = None
+    start = time.perf_counter()
+    try:
+        result = original(worker, batch, *args, **kwargs)
+    finally:
+        worker.draft_token_num = spec.sizer.max_width
+        step, spec.step = spec.step, None
+        rt.rows = None  # a verify forward does not sample through ModelRunner.sample, which clears them
+    if step is not None:
+        step.seconds = time.perf_counter() - start
+        result.speculative_output_stride = step.width
+    return result
+
+
+def around_eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
+    """NGRAM's verification, lossless under the request's sampling and the controller (module docstring)."""
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+    rt = runtime.current()
+    step = rt.speculation.step if rt.speculation is not None else None
+    if step is None or not isinstance(verify_input, NgramVerifyInput) or batch.forward_mode.is_idle():
+        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+    try:
+        return verify(rt, step, verify_input, batch, logits_output.next_token_logits, grammar_mask)
+    except Exception:  # a fault in our work costs the step its control, never the scheduler
+        logger.exception("sgl-entropic: verification under the controller failed; SGLang's own verifies this step")
+        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+
+
+def around_get_last_loc(original, req_to_token, req_pool_indices, prefix_lens, *args, **kwargs):
+    """On CPU, SGLang's torch version (its Triton one needs a GPU; it is chosen by backend name, and ours is
+    not `torch_native`)."""
+    if req_to_token.is_cpu:
+        from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+        return get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
+    return original(req_to_token, req_pool_indices, prefix_lens, *args, **kwargs)
+
+
+def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Tensor, grammar_mask):
+    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
+    from sglang.srt.utils.async_probe import sanitize_nan_logits
+
+    info = batch.sampling_info
+    bs, width = len(batch.reqs), verify_input.draft_token_num
+    sanitize_nan_logits(logits, "verify: target model logits")
+    if info.logit_bias is not None:
+        logits.add_(info.logit_bias.repeat_interleave(width, dim=0))
+    if grammar_mask is not None:
+        grammar_mask.apply(logits)
+    rows = BatchRows.of(batch.reqs, [True] * bs, decode=True, forward_iter=getattr(batch, "forward_iter", None))
+    rows.drop_released()
+    table: ControllerTable = rt.controllers
+    request_t = info.temperatures.view(-1).float()
+    greedy = info.top_ks.view(-1) == 1
+    node_t = request_t[:, None].repeat(1, width)  # [bs, W]
+    ctrl = rows.positions("controller")
+    if ctrl:
+        pos = to_device(ctrl, logits.device)
+        slots = batch.req_pool_indices.index_select(0, pos).long()
+        table.load([rows.reqs[i].kv.req_pool_idx for i in ctrl], [rows.states[i] for i in ctrl], "controller")
+        controllers = ControllerBatch(*table.entropic.index_select(1, slots))
+        node_t.index_copy_(0, pos, tree_temperatures(logits.view(bs, width, -1).index_select(0, pos),
+                                                     step.parent.index_select(0, pos), controllers))
+    if info.is_all_greedy:
+        target = logits.argmax(dim=-1)
+    else:  # SGLang's own sampler, per node: softmax at the node's temperature, then top-k/top-p/min-p, seed
+        probs = torch.softmax(logits.float() / node_t.view(-1, 1), dim=-1)
+        per_node = {name: getattr(info, name).repeat_interleave(width, dim=0)
+                    for name in ("temperatures", "top_ps", "top_ks", "min_ps")}
+        if info.sampling_seed is not None:
+            per_node["sampling_seed"] = info.sampling_seed.repeat_interleave(width, dim=0)
+        node_info = dataclasses.replace(info, sampling_mask_batch_indices=None, **per_node)
+        simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
+        target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
+    predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
+    accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
+    num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
+    verify_tree_greedy_func(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
+                            candidates=verify_input.draft_token.view(bs, width),
+                            retrieve_index=verify_input.retrieve_index,
+                            retrieve_next_token=verify_input.retrieve_next_token,
+                            retrieve_next_sibling=verify_input.retrieve_next_sibling,
+                            target_predict=target.view(bs, width), topk=verify_input.tree_topk)
+    accept_lens = num_correct + 1
+    try:
+        rt.pending.append(record(rt, step, rows, logits, node_t, greedy, predict, accept_index, accept_lens, ctrl,
+                                 batch))
+    except Exception:
+        logger.exception("sgl-entropic: recording the verify step failed; its trace values are missing")
+    return predict, accept_lens, accept_index
+
+
+def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, predict, accept_index,
+           accept_lens, ctrl: list[int], batch) -> "VerifyRecord":
+    """The committed nodes' signal on the device, the controllers' state after the step, one host transfer."""
+    bs, width = accept_index.shape
+    committed = accept_index >= 0
+    nodes = accept_index.long().clamp_min(0)  # [bs, W] flat node index per committed position (0 beyond)
+    node_temps = node_t.view(-1).gather(0, nodes.view(-1)).view(bs, width)
+    used_t = torch.where(greedy[:, None], 0.0, node_temps)
+    stats = token_stats(logits.index_select(0, nodes.view(-1)), predict.long().gather(0, nodes.view(-1)),
+                        torch.where(greedy[:, None], 1.0, 1.0 / node_temps).view(-1))
+    if ctrl:  # the controller's state is the one after the request's last committed token
+        pos = to_device(ctrl, logits.device)
+        slots = batch.req_pool_indices.index_select(0, pos).long()
+        last = node_temps.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1)
+        rt.controllers.entropic[_T].index_copy_(0, slots, last.index_select(0, pos))
+        rt.controllers.entropic[_STEPS].index_add_(0, slots, accept_lens.float().index_select(0, pos))
+    values = torch.stack([stats.entropy, stats.surprisal, stats.valid.float(), used_t.view(-1),
+                          committed.float().view(-1)]).view(5, bs, width)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+    host.copy_(values, non_blocking=True)
+    ready = None
+    if values.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return VerifyRecord(rows, host, ready, batch.seq_lens_cpu.tolist(), step)
+
+
+@dataclass
+class VerifyRecord:
+    """A verify step's values on their way to the host; `finish` is `PendingRecord.finish` for k tokens a row."""
+
+    rows: BatchRows
+    host: torch.Tensor  # [5, bs, W]: entropy, surprisal, valid, temperature used, committed
+    ready: Optional[object]
+    seq_lens: list[int]
+    step: VerifyStep
+    tally: StepTally = field(default_factory=StepTally)
+
+    def finish(self, rt: Runtime) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        entropy, surprisal, valid, used_t, committed = self.host.tolist()
+        step, spec, drafted = self.step, rt.speculation, self.step.drafted
+        accepted = []
+        for i, state in enumerate(self.rows.states):
+            req = self.rows.reqs[i]
+            n = int(sum(committed[i]))
+            accepted.append(n - 1)
+            if state is None:
+                continue
+            # tokens past max_new_tokens are cut by SGLang; they are not the request's
+            left = req.sampling_params.max_new_tokens - len(req.output_ids)
+            n = max(1, min(n, left)) if left > 0 else n
+            work = step.width * step_cost(rt.dims, self.seq_lens[i] + step.width)
+            measured = []
+            for j in range(n):
+                ok = valid[i][j] > 0
+                record_token(rt, req, state, self.tally, entropy[i][j], surprisal[i][j], ok, used_t[i][j],
+                             work if j == 0 else 0.0,
+                             **({"drafted": drafted[i], "accepted": accepted[-1]} if j == 0 else NO_DRAFT))
+                if ok:
+                    measured.append(entropy[i][j])
+            if state.controller is not None:
+                state.controller.temperature = used_t[i][n - 1]
+                state.controller.steps_done += n
+            state.last_step_entropy = sum(measured) / len(measured) if measured else None
+        self.tally.report(rt)
+        spec.sizer.observe(step.width, len(accepted), step.seconds, accepted)
+        spec.steps += 1
+        spec.rows += len(accepted)
+        spec.verified += step.width * len(accepted)
+        spec.drafted += sum(drafted)
+        spec.accepted += sum(accepted)
+        spec.committed += sum(a + 1 for a in accepted)
+        if rt.metrics is not None:
+            rt.metrics.observe_verify(drafted, accepted, step.width)
+
+
+def refuse_request(sampling_params, mirostat: bool) -> None:
+    """What verification cannot keep exact is refused (ValueError -> HTTP 400), never silently relaxed."""
+    relaxed = [name for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                                          ("repetition_penalty", 1.0))
+               if getattr(sampling_params, name, neutral) != neutral]
+    if relaxed:
+        raise ValueError(f"{relaxed[0]}: SGLang's speculative verification applies penalties as of the step's start, "
+                         "not per drafted token; not served with --speculative-algorithm")
+    if mirostat:
+        raise ValueError("custom_params.entropic.controller: mirostat_v2 is not served under speculative decoding "
+                         "(the entropic controller is)")

@@ -1,0 +1,89 @@
+"""SGLang server arguments against the entropic config: one set of rules for the launcher and the Engine.
+
+`speculative_args` takes SGLang's speculative flags as the user gave them (field name -> value, absent
+flags missing) and returns the config that records them plus the arguments the plugin sets; anything it
+cannot serve correctly is a ValueError naming the flag, as `spell` writes it (launcher: `--flag value`,
+Engine: `name=value`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from sgl_entropic.config import ATTENTION_BACKEND, EntropicConfig
+
+Spell = Callable[[str, Any], str]
+
+# flag -> (its neutral value, why the plugin refuses any other)
+REFUSED_WITH_SPECULATION = {
+    "speculative_adaptive": (False, "SGLang's adaptive steps serve EAGLE only; speculative.draft 'acceptance' is "
+                                    "its rule on NGRAM"),
+    "speculative_accept_threshold_single": (1.0, "a relaxed (lossy) acceptance"),
+    "speculative_accept_threshold_acc": (1.0, "a relaxed (lossy) acceptance"),
+    "speculative_use_rejection_sampling": (False, "n-gram drafts carry no draft probabilities; verification is "
+                                                  "exact already"),
+    "speculative_use_block_verification": (False, "n-gram drafts carry no draft probabilities; verification is "
+                                                  "exact already"),
+    "speculative_attention_mode": ("prefill", "verification attends as an extend (the default)"),
+}
+# Attention backends with a verify forward on CPU (torch_native has none: ours adds it).
+CPU_VERIFY_BACKENDS = (ATTENTION_BACKEND, "intel_amx")
+
+
+def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: str,
+                     spell: Spell) -> tuple[EntropicConfig, dict[str, Any]]:
+    """(the config with speculative.algorithm set, SGLang arguments to add); ValueError for what is refused."""
+    if config.speculative.algorithm is not None:
+        raise ValueError("speculative.algorithm comes from SGLang's speculative_algorithm, not the entropic config")
+    algorithm = args.get("speculative_algorithm")
+    if algorithm is None:
+        return config, {}
+    asked = spell("speculative_algorithm", algorithm)
+    if str(algorithm).upper() != "NGRAM":
+        raise ValueError(f"{asked}: sgl-entropic serves SGLang's NGRAM speculative decoding only (its verification "
+                         f"is where the controller and the traces run; {algorithm}'s would skip them)")
+    for name, (neutral, why) in REFUSED_WITH_SPECULATION.items():
+        if name in args and args[name] != neutral:
+            raise ValueError(f"{spell(name, args[name])} with {asked}: not served ({why})")
+    if config.sampling.controller == "mirostat_v2":
+        raise ValueError(f"sampling.controller 'mirostat_v2' with {asked}: not served under speculative decoding "
+                         "(the entropic controller is)")
+    if config.pruning_on and config.pruning.selector == "surprisal":
+        raise ValueError(f"pruning.selector 'surprisal' with {asked}: its per-token scores are not recorded inside "
+                         "verification")
+    updates: dict[str, Any] = {}
+    if config.pruning_on:  # KV pages of pruning.page_size tokens: SGLang verifies trees there with FlashInfer only
+        breadth = args.get("speculative_ngram_max_bfs_breadth")
+        if breadth is None:
+            updates["speculative_ngram_max_bfs_breadth"] = 1
+        elif int(breadth) != 1:
+            raise ValueError(f"{spell('speculative_ngram_max_bfs_breadth', breadth)} with --entropic {config.mode}: "
+                             f"pruning pages the KV pool ({config.pruning.page_size} tokens a page), where SGLang "
+                             "verifies draft chains only; use breadth 1, or a mode without pruning")
+    if device == "cpu":
+        backend = args.get("attention_backend")
+        if backend is None:
+            updates["attention_backend"] = ATTENTION_BACKEND
+        elif backend not in CPU_VERIFY_BACKENDS:
+            raise ValueError(f"{spell('attention_backend', backend)} with {asked}: it has no verify forward on CPU; "
+                             f"drop it (the launcher picks {ATTENTION_BACKEND!r}, which has one)")
+    spec = config.speculative.model_copy(update={"algorithm": "NGRAM"})
+    return config.model_copy(update={"speculative": spec}), updates
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def spell_flag(name: str, value: Any) -> str:
+    return flag(name) if isinstance(value, bool) else f"{flag(name)} {value}"
+
+
+def spell_kwarg(name: str, value: Any) -> str:
+    return f"{name}={value!r}"
+
+
+SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend",
+                      *REFUSED_WITH_SPECULATION)
+BOOLEAN_FIELDS = frozenset({"speculative_adaptive", "speculative_use_rejection_sampling",
+                            "speculative_use_block_verification"})

@@ -1,0 +1,173 @@
+"""Speculative decoding under the loops: how wide each verify step is, and the controller along a draft tree.
+
+Pure torch; nothing here imports sglang (the plugin's `speculation.py` adapts it to SGLang's NGRAM worker).
+
+Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
+(node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
+All rows of a verify batch share one width W (SGLang's layout), so a step costs about t0 + t1 * (rows * W)
+and commits, per row, its bonus token plus the drafts accepted in a row. A rule picks W per step:
+
+* ``fixed``: the server's maximum, every step (SGLang's own behaviour);
+* ``matched``: 1 + the most drafts any row's trie match offers (never verifies padding);
+* ``acceptance``: SGLang's adaptive rule (`adaptive_spec_params.AdaptiveStepSlot`) on NGRAM: an EMA of the
+  accepted drafts per row and step, W - 1 = round(EMA) + 1 (probe one beyond what was accepted);
+* ``entropy``: the W that maximises the expected committed tokens per second,
+  sum_rows E_r(W) / T(rows * W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j and a_r = exp(-H_r).
+  H_r is the mean entropy of the tokens row r committed in its last step, and exp(-H) is a lower bound on
+  the probability of the model's most likely token (Shannon entropy >= min-entropy): where the drafts copy
+  what the model would say, each of them is accepted with at least that chance. T is a least-squares fit
+  of this server's own verify steps (`StepTimes`). Nothing in the rule is tuned to a prompt.
+
+Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
+drafts (a shorter row would cost the same padded slots).
+
+Controller. The zero-lag temperature at a tree node depends on the logits along its path: node v is sampled
+at T_v = update(T_parent(v), H(z_v / T_parent(v))), exactly what sequential decoding computes had it committed
+v's ancestors (`tree_temperatures`). Verification then samples every node from its own distribution and
+follows the drafts that match (lossless for drafts that are single tokens, as n-gram drafts are: accepting
+draft x with probability p(x) and resampling from p without x on rejection commits a token distributed as p,
+and that is what sampling from p and comparing does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from sgl_entropic.sampling import ControllerBatch, entropy
+
+Rule = Literal["fixed", "matched", "acceptance", "entropy"]
+RULES: tuple[str, ...] = ("fixed", "matched", "acceptance", "entropy")
+# SGLang's adaptive slot: EMA weight of a new observation (AdaptiveStepSlot.ema_alpha).
+ACCEPTANCE_EMA_ALPHA = 0.2
+
+
+def offered_drafts(tokens: Tensor, mask: Tensor) -> Tensor:
+    """[B] drafts each row's trie match really offers, from NGRAM's padded tree (`tokens` [B, W], `mask` [B, W, W]).
+
+    The corpus pads a short match with token 0 nodes hanging off the root (`ngram_corpus/result.cpp`); the
+    padding is the run of such nodes at the end of the BFS order.
+    """
+    width = tokens.shape[1]
+    eye = torch.eye(width, dtype=torch.bool)
+    root_only = eye.clone()
+    root_only[:, 0] = True  # a node whose ancestors are the root and itself
+    pad = (tokens == 0) & (mask.bool() == root_only).all(-1)
+    pad[:, 0] = False
+    # the trailing run of pads: a node is padding when it and every later node are
+    trailing = pad.flip(1).cumprod(1).flip(1).bool()
+    return (width - 1) - trailing.sum(1)
+
+
+@dataclass
+class StepTimes:
+    """Least-squares fit t = t0 + t1 * tokens of this server's verify steps, recent steps weighted most.
+
+    Exponential forgetting (`decay` per step) follows a changing machine; until the steps seen span two
+    token counts, t1 is 0 (no evidence yet that a verified token costs anything).
+    """
+
+    decay: float = 0.98
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + tokens, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(t0, t1) in seconds and seconds per verified token; (0, 0) before any step."""
+        if self.w == 0:
+            return 0.0, 0.0
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        t1 = max(0.0, (self.sxy / self.w - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        return max(my - t1 * mx, 0.0), t1
+
+
+def expected_committed(acceptance: float, drafts: int) -> float:
+    """Tokens a row commits with `drafts` drafts each accepted with probability `acceptance`: 1 + a + ... + a^drafts."""
+    if acceptance >= 1.0:
+        return 1.0 + drafts
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+
+
+def entropy_width(offers: Sequence[int], entropies: Sequence[Optional[float]], times: StepTimes) -> int:
+    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows * W) (ties: the narrower)."""
+    rows = len(offers)
+    acceptance = [1.0 if h is None or not math.isfinite(h) else math.exp(-max(h, 0.0)) for h in entropies]
+    t0, t1 = times.fit()
+    best, best_rate = 1, -1.0
+    for width in range(1, 2 + max(offers, default=0)):
+        committed = sum(expected_committed(a, min(width - 1, k)) for a, k in zip(acceptance, offers))
+        cost = t0 + t1 * rows * width
+        rate = committed / cost if cost > 0 else committed  # no timing yet: the most tokens
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = width, rate
+    return best
+
+
+@dataclass
+class DraftSizer:
+    """Picks each verify step's width under one rule (module docstring); its state is the server's."""
+
+    rule: Rule
+    max_width: int  # SGLang's speculative_num_draft_tokens: nodes per row, the root included
+    times: StepTimes
+    accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
+
+    def width(self, offers: Sequence[int], entropies: Sequence[Optional[float]]) -> int:
+        """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers."""
+        most = 1 + max(offers, default=0)
+        if self.rule == "fixed":
+            return self.max_width
+        if self.rule == "matched":
+            return min(most, self.max_width)
+        if self.rule == "acceptance":
+            ema = self.max_width - 2 if self.accepted_ema is None else self.accepted_ema  # SGLang: steps - 1
+            return min(most, self.max_width, 2 + round(max(ema, 0.0)))
+        return min(entropy_width(offers, entropies, self.times), self.max_width)
+
+    def observe(self, width: int, rows: int, seconds: float, accepted: Sequence[int]) -> None:
+        """A verify step's outcome: its time (the fit) and the drafts each row accepted (the EMA)."""
+        self.times.observe(rows * width, seconds)
+        if accepted and width > 1:
+            mean = sum(accepted) / len(accepted)
+            a = ACCEPTANCE_EMA_ALPHA
+            self.accepted_ema = mean if self.accepted_ema is None else (1 - a) * self.accepted_ema + a * mean
+
+
+def tree_depths(parent: Tensor) -> Tensor:
+    """[B, W] depth of each node (root 0) from `parent` [B, W] (-1 at the root; parent[v] < v)."""
+    depth = torch.zeros_like(parent)
+    for v in range(1, parent.shape[1]):
+        p = parent[:, v]
+        depth[:, v] = torch.where(p >= 0, depth.gather(1, p.clamp_min(0)[:, None]).squeeze(1) + 1, 0)
+    return depth
+
+
+def tree_temperatures(logits: Tensor, parent: Tensor, batch: ControllerBatch) -> Tensor:
+    """[B, W] temperature each node is sampled at: the zero-lag controller along every path of the tree.
+
+    `logits` [B, W, V] (after penalties and masks), `parent` [B, W] with parent[v] < v (NGRAM's BFS order),
+    `batch` the rows' controllers as they stand before the step. Node v's controller state is its parent's
+    output (the root's: the row's), its steps_done the row's plus v's depth; no host sync.
+    """
+    rows, width = parent.shape
+    depth = tree_depths(parent)
+    temps = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    for v in range(width):
+        p = parent[:, v]
+        incoming = torch.where(p >= 0, temps.gather(1, p.clamp_min(0)[:, None]).squeeze(1), batch.temperature)
+        node = ControllerBatch(incoming, batch.target, batch.eta, batch.t_min, batch.t_max, batch.floor,
+                               batch.warmup, batch.steps_done + depth[:, v].float())
+        temps[:, v] = node.update(entropy(logits[:, v], incoming))
+    return temps
