@@ -88,10 +88,30 @@ def server(tmp_path_factory) -> Server:
     # Compact JSON: xgrammar otherwise allows whitespace anywhere, and a sampled request (plain
     # T=0.8 as well as entropic) can fill any token budget with it (tests/test_reliability.py).
     # Every loop engaged: full leaves the queue order to SGLang unless --schedule-policy entropic asks.
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
-           "--entropic-config", '{"pruning": {"min_context": 1024}}', "--constrained-json-disable-any-whitespace",
-           "--schedule-policy", "entropic", *COMMON_ARGS]
-    srv = start_server(cmd, log)
+    srv = start_server(shared_server_cmd(), log)
+    yield srv
+    stop_server(srv.proc)
+
+
+def shared_server_cmd(config: str = '{"pruning": {"min_context": 1024}}') -> list[str]:
+    return [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
+            "--entropic-config", config, "--constrained-json-disable-any-whitespace", "--schedule-policy",
+            "entropic", *COMMON_ARGS]
+
+
+# Up to 4 nodes a verified tree (3 drafts): wide enough to accept runs, narrow enough for a 2-core machine.
+# Rule `matched`: every draft the trie offers is verified (the entropy rule would turn drafts off for the
+# batches of sampled requests the tests send), so that verification itself is what the tests exercise.
+SPECULATIVE_CMD = shared_server_cmd('{"pruning": {"min_context": 1024}, "speculative": {"draft": "matched"}}') + [
+    "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+
+
+@pytest.fixture(scope="session")
+def spec_server(tmp_path_factory) -> Server:
+    """The shared server's configuration with SGLang's NGRAM speculative decoding under the plugin: its greedy
+    output must equal the shared server's, token for token."""
+    log = tmp_path_factory.mktemp("spec") / "server.log"
+    srv = start_server(SPECULATIVE_CMD, log)
     yield srv
     stop_server(srv.proc)
 

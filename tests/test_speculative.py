@@ -1,0 +1,200 @@
+"""The speculative loop's core (sgl_entropic/speculative.py) on plain tensors: the controller along a draft tree
+equals sequential decoding, verification is lossless (a statistical check that a wrong verifier fails), and each
+width rule does what it states."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
+from sgl_entropic.sampling import ControllerBatch, ControllerState
+from sgl_entropic.speculative import (DraftSizer, StepTimes, entropy_width, expected_committed, offered_drafts,
+                                      tree_depths, tree_temperatures)
+
+STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
+
+
+def controllers(temps, steps_done):
+    return ControllerBatch.from_rows([ControllerState(temperature=t, steps_done=s, **STATE)
+                                      for t, s in zip(temps, steps_done)])
+
+
+def path_to(parent: list[int], v: int) -> list[int]:
+    path = [v]
+    while parent[path[-1]] >= 0:
+        path.append(parent[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_temperatures_are_what_sequential_decoding_computes_along_each_path(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, width, vocab = 3, 7, 40
+    parent = torch.tensor([[-1] + [int(torch.randint(0, v, (1,), generator=gen)) for v in range(1, width)]
+                           for _ in range(rows)])
+    logits = torch.randn(rows, width, vocab, generator=gen) * 3
+    temps, steps = [0.7, 1.0, 1.6], [0, 4, 9]
+    got = tree_temperatures(logits, parent, controllers(temps, steps))
+    for r in range(rows):
+        for v in range(width):
+            batch = controllers([temps[r]], [steps[r]])
+            for node in path_to(parent[r].tolist(), v):  # the decoding of the node's ancestors, then the node
+                t, _ = batch.step(logits[r, node][None])
+            assert torch.allclose(got[r, v], t[0], rtol=1e-6), (r, v)
+
+
+def test_tree_depths():
+    assert tree_depths(torch.tensor([[-1, 0, 1, 0, 3, 2]])).tolist() == [[0, 1, 2, 1, 2, 3]]
+
+
+# ---------------------------------------------------------------------------------- lossless verification
+
+VOCAB, LENGTH = 5, 6
+# A Markov "model" over 5 tokens: the next-token logits depend on the last token only.
+TABLE = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 2.5, 1.0, 0.0, -1.0], [1.0, 0.0, 0.5, 2.0, 0.0],
+                      [0.3, 0.3, 0.3, 0.3, 2.0], [1.5, -0.5, 0.0, 1.0, 0.2]])
+
+
+def sequential(samples: int, gen: torch.Generator) -> torch.Tensor:
+    """[samples, LENGTH] tokens sampled one by one at the controller's zero-lag temperature."""
+    batch = controllers([1.0] * samples, [0] * samples)
+    last = torch.zeros(samples, dtype=torch.long)
+    out = []
+    for _ in range(LENGTH):
+        z = TABLE[last]
+        t, _ = batch.step(z)
+        last = torch.multinomial(torch.softmax(z / t[:, None], -1), 1, generator=gen).squeeze(1)
+        out.append(last)
+    return torch.stack(out, 1)
+
+
+def speculative(samples: int, gen: torch.Generator, path_temperatures: bool = True) -> torch.Tensor:
+    """The same, through draft trees of 4 nodes (a chain of two drafts and a sibling), verified as the plugin does:
+    each node sampled at its tree temperature, SGLang's greedy walk over the samples. With
+    `path_temperatures=False`, every node is sampled at the row's incoming temperature (what a verifier that
+    ignores the controller inside the tree would do): the check must catch it."""
+    width = 4
+    parent = torch.tensor([-1, 0, 1, 0]).repeat(samples, 1)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    temps, steps = torch.ones(samples), torch.zeros(samples)
+    last = torch.zeros(samples, dtype=torch.long)
+    out = [[] for _ in range(samples)]
+    while min(len(o) for o in out) < LENGTH:
+        # a chain of the model's likeliest tokens (often accepted, so paths run deep) and a random sibling
+        first_guess = TABLE[last].argmax(-1)
+        tokens = torch.stack([last, first_guess, TABLE[first_guess].argmax(-1),
+                              torch.randint(0, VOCAB, (samples,), generator=gen)], 1)
+        logits = TABLE[tokens]  # node v's logits follow its own token (the Markov model)
+        batch = ControllerBatch(temps, *(torch.full((samples,), float(v)) for v in STATE.values()), steps)
+        node_t = tree_temperatures(logits, parent, batch) if path_temperatures else temps[:, None].repeat(1, width)
+        target = torch.multinomial(torch.softmax(logits / node_t[..., None], -1).view(-1, VOCAB), 1,
+                                   generator=gen).view(samples, width)
+        positions = torch.empty(samples * width, dtype=torch.long)
+        index, first, sibling = (torch.empty(samples, width, dtype=torch.long) for _ in range(3))
+        reconstruct_indices_from_tree_mask(mask.repeat(samples, 1, 1).flatten(), torch.zeros(samples, dtype=torch.long),
+                                           positions, index, first, sibling, samples, width)
+        predict = torch.zeros(samples * width, dtype=torch.long)
+        accept = torch.full((samples, width), -1, dtype=torch.long)
+        correct = torch.zeros(samples, dtype=torch.long)
+        verify_tree_greedy_cpu(predict, accept, correct, tokens, index, first, sibling, target)
+        for r in range(samples):
+            nodes = accept[r, : int(correct[r]) + 1]
+            out[r] += predict[nodes].tolist()
+            v = int(nodes[-1]) - r * width
+            temps[r], steps[r] = node_t[r, v], steps[r] + len(nodes)
+            last[r] = predict[nodes[-1]]
+    return torch.tensor([o[:LENGTH] for o in out])
+
+
+def frequencies_differ(a: torch.Tensor, b: torch.Tensor, position: int) -> float:
+    """p-value of a chi-square test that the token at `position` has one distribution in both samples."""
+    counts = [[int((x[:, position] == v).sum()) for v in range(VOCAB)] for x in (a, b)]
+    keep = [v for v in range(VOCAB) if counts[0][v] + counts[1][v] > 0]
+    return chi2_contingency([[c[v] for v in keep] for c in counts])[1]
+
+
+def test_speculative_sampling_under_the_controller_has_the_sequential_distribution():
+    gen = torch.Generator().manual_seed(1)
+    n = 8000
+    plain, spec = sequential(n, gen), speculative(n, gen)
+    p_values = [frequencies_differ(plain, spec, j) for j in range(1, LENGTH)]
+    assert min(p_values) > 1e-3, p_values
+    # the check has the power to fail: a verifier that samples the tree at the row's temperature is caught
+    wrong = speculative(n, gen, path_temperatures=False)
+    assert min(frequencies_differ(plain, wrong, j) for j in range(1, LENGTH)) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------- width rules
+
+def test_the_padding_of_a_short_trie_match_is_not_a_draft():
+    # NGRAM's corpus pads a match of 2 drafts to 5 nodes with token 0 children of the root
+    tokens = torch.tensor([[7, 11, 12, 0, 0], [7, 0, 0, 0, 0], [7, 0, 5, 6, 8]])
+    parent = [[-1, 0, 1, 0, 0], [-1, 0, 0, 0, 0], [-1, 0, 1, 2, 3]]
+    mask = torch.zeros(3, 5, 5, dtype=torch.bool)
+    for r, ps in enumerate(parent):
+        for v in range(5):
+            for u in path_to(ps, v):
+                mask[r, v, u] = True
+    # the last row's real chain starts with token 0: only trailing root-children of token 0 are padding
+    assert offered_drafts(tokens, mask).tolist() == [2, 0, 4]
+
+
+def test_step_times_recover_a_linear_cost():
+    times = StepTimes()
+    for tokens in [1, 4, 8, 2, 16, 3] * 5:
+        times.observe(tokens, 0.05 + 0.004 * tokens)
+    t0, t1 = times.fit()
+    assert t0 == pytest.approx(0.05, rel=1e-6) and t1 == pytest.approx(0.004, rel=1e-6)
+    single = StepTimes()
+    single.observe(8, 0.1)
+    assert single.fit() == (pytest.approx(0.1), 0.0)  # one token count: no evidence of a per-token cost
+
+
+def test_expected_committed_is_the_geometric_sum():
+    assert expected_committed(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_committed(1.0, 3) == 4.0 and expected_committed(0.0, 5) == 1.0
+
+
+def fitted(t0: float, t1: float) -> StepTimes:
+    times = StepTimes()
+    for tokens in (1, 10):
+        times.observe(tokens, t0 + t1 * tokens)
+    return times
+
+
+def test_the_entropy_rule_drafts_long_when_the_model_is_sure_and_not_at_all_when_it_is_not():
+    costly = fitted(0.1, 0.01)  # a verified token costs 10 % of a step
+    assert entropy_width([7], [0.02], costly) == 8  # sure: every draft the match offers
+    assert entropy_width([7], [4.0], costly) == 1  # unsure: exp(-4) = 0.018 < 0.1, no drafts
+    middle = entropy_width([7], [0.7], costly)
+    assert 1 < middle < 8
+    # the width maximises the expected tokens per second, by brute force over the widths
+    a = math.exp(-0.7)
+    best = max(range(1, 9), key=lambda w: expected_committed(a, w - 1) / (0.1 + 0.01 * w))
+    assert middle == best
+    # free verification (no evidence of a per-token cost yet): as wide as the matches go
+    assert entropy_width([3, 5], [3.0, 3.0], StepTimes()) == 6
+    # a batch: the rows' expected tokens share one step's cost
+    assert entropy_width([7, 7], [0.02, 6.0], costly) > entropy_width([7, 7], [6.0, 6.0], costly)
+
+
+def test_each_rule_caps_at_the_server_maximum_and_the_matches():
+    for rule in ("matched", "acceptance", "entropy"):
+        sizer = DraftSizer(rule, 6, StepTimes())
+        assert sizer.width([2, 1], [0.0, 0.0]) <= 3
+        assert sizer.width([9, 9], [0.0, 0.0]) <= 6
+    assert DraftSizer("fixed", 6, StepTimes()).width([0, 0], [0.0, 0.0]) == 6  # SGLang's: always the maximum
+    assert DraftSizer("matched", 6, StepTimes()).width([2, 4], [None, None]) == 5
+
+
+def test_the_acceptance_rule_is_sglang_s_adaptive_formula():
+    sizer = DraftSizer("acceptance", 12, StepTimes())
+    assert sizer.width([11], [None]) == 12  # SGLang starts its EMA at steps - 1: the maximum
+    for _ in range(40):
+        sizer.observe(sizer.width([11], [None]), 1, 0.1, [1])  # one draft accepted every step
+    assert sizer.accepted_ema == pytest.approx(1.0, abs=1e-3)
+    assert sizer.width([11], [None]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides

@@ -1,0 +1,116 @@
+"""SGLang's NGRAM speculative decoding under the plugin, on a real server (tests/conftest.py's `spec_server`, the
+shared server's configuration plus NGRAM): greedy output token-identical to the shared server's, sampled output
+with its distribution, every committed token traced, what cannot stay exact refused."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import Counter
+
+import pytest
+import requests
+from scipy.stats import chi2_contingency
+
+pytestmark = pytest.mark.server
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _real_prompts() -> list[str]:
+    """Prompts over text nobody here wrote (SGLang's own sources and docs): copying work and an open question."""
+    import sglang
+    from sglang.srt.speculative import ngram_worker
+
+    readme = open(sglang.__file__.replace("__init__.py", "README.md")).read()
+    folders = readme.split("## Files")[0]
+    code = inspect.getsource(ngram_worker.NGRAMWorker._efficient_concat_last_n)
+    return [
+        CHAT.format(f"{folders}\nList the folder names above, one per line."),
+        CHAT.format(f"```python\n{code}```\nRewrite this function with type hints on every line."),
+        CHAT.format(f"{folders}\nWhich folder holds the core runtime for language models? Quote its line."),
+        CHAT.format("What is speculative decoding? Answer in two sentences."),
+    ]
+
+
+PROMPTS = _real_prompts()
+
+
+def _greedy(server, text: str, n: int = 48, **extra) -> dict:
+    return server.generate({"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                              "ignore_eos": True}, **extra})
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_greedy_output_is_token_identical_with_and_without_speculation(server, spec_server, i):
+    plain, spec = _greedy(server, PROMPTS[i]), _greedy(spec_server, PROMPTS[i])
+    assert spec["output_ids"] == plain["output_ids"]
+    if i < 3:  # the copying prompts: drafts were accepted, so the identity is not that of plain decoding
+        assert spec["meta_info"]["spec_num_correct_drafts"] > 0
+
+
+def test_every_committed_token_carries_its_trace_and_each_step_its_drafts(spec_server):
+    out = _greedy(spec_server, PROMPTS[0], return_entropy=True)
+    meta, n = out["meta_info"], out["meta_info"]["completion_tokens"]
+    for key in ("entropy", "surprisal", "temperature", "attended", "drafted", "accepted"):
+        assert len(meta[key]) == n, key
+    assert all(isinstance(h, float) and h >= 0 for h in meta["entropy"] + meta["surprisal"])
+    assert set(meta["temperature"]) == {0.0}  # greedy
+    steps = [(d, a) for d, a in zip(meta["drafted"], meta["accepted"]) if d is not None]
+    # one entry per verify step, on its first token; the first token comes from the prefill
+    assert meta["drafted"][0] is None and len(steps) == meta["spec_verify_ct"]
+    assert all(0 <= a <= d <= 3 for d, a in steps)
+    assert sum(a for _, a in steps) == meta["spec_num_correct_drafts"]  # SGLang's own count
+    # a step commits its accepted drafts plus the bonus token (the last step's run may pass max_new_tokens)
+    assert n - 1 <= sum(a + 1 for _, a in steps) <= n - 1 + 3
+    # tau and the efficiency count every committed token, the cost each verify's real work
+    hs = meta["entropy"]
+    assert meta["entropic_time"] == pytest.approx(sum(max(0.0, a - b) for a, b in zip(hs, hs[1:])), rel=1e-4)
+    info = spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]
+    assert info["rule"] == "matched" and info["max_width"] == 4 and info["verify_steps"] >= len(steps)
+    assert 1.0 <= info["verified_per_committed_token"] <= 4.0
+
+
+SAMPLED = CHAT.format("Count with me: one, two, three, one, two, three, one, two, three, one, two,")
+CONTROLLER = {"target_entropy": 1.5, "eta": 0.3, "t_min": 0.5, "t_max": 1.8, "t_init": 1.0}
+
+
+def _sampled_tokens(server, n: int, length: int) -> tuple[list[list[int]], dict]:
+    body = {"text": [SAMPLED] * n, "sampling_params": {"max_new_tokens": length, "temperature": 1.0,
+                                                       "ignore_eos": True,
+                                                       "custom_params": {"entropic": CONTROLLER}}}
+    r = requests.post(server.url + "/generate", json=body, timeout=900)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    return [o["output_ids"] for o in outs], outs[0]["meta_info"]
+
+
+def test_sampled_output_under_the_controller_has_the_distribution_of_plain_decoding(server, spec_server):
+    """Token frequencies at each position, speculative against plain, under the same controller: a chi-square
+    test per position (rare tokens pooled) that would fail a verifier that commits the argmax, as SGLang's own
+    CPU verification does, or one that skips the controller."""
+    n, length = 160, 4
+    plain, _ = _sampled_tokens(server, n, length)
+    spec, _ = _sampled_tokens(spec_server, n, length)
+    accepted = spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]
+    assert accepted["accepted_per_row_step"] > 0.2  # drafts were accepted: the test exercises verification
+    for position in range(1, length):
+        counts = [Counter(o[position] for o in outs) for outs in (plain, spec)]
+        common = [t for t in set(counts[0]) | set(counts[1]) if counts[0][t] + counts[1][t] >= 10]
+        table = [[c[t] for t in common] + [sum(v for t, v in c.items() if t not in common)] for c in counts]
+        table = [row for row in zip(*table) if sum(row) > 0]
+        assert len(table) >= 2, counts  # the position has more than one likely token
+        p = chi2_contingency(list(zip(*table)))[1]
+        assert p > 1e-3, (position, counts)
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": 0.3}, "presence_penalty"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"custom_params": {"entropic": {"controller": "mirostat_v2"}}}, "mirostat_v2"),
+])
+def test_what_verification_cannot_keep_exact_is_http_400(spec_server, params, field):
+    r = spec_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, **params}})
+    assert r.status_code == 400 and field in r.text
+    assert math.isfinite(_greedy(spec_server, "hi", 2)["meta_info"]["entropic_time"])  # still serving
