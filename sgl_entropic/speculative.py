@@ -1,6 +1,7 @@
 """Speculative decoding under the loops: how wide each verify step is, and the controller along a draft tree.
 
-Pure torch; nothing here imports sglang (the plugin's `speculation.py` adapts it to SGLang's NGRAM worker).
+Torch and numpy (for the host's small per-step arrays); nothing here imports sglang (the plugin's
+`speculation.py` adapts it to SGLang's NGRAM worker).
 
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
@@ -35,6 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,21 +48,27 @@ RULES: tuple[str, ...] = ("fixed", "matched", "acceptance", "entropy")
 ACCEPTANCE_EMA_ALPHA = 0.2
 
 
-def offered_drafts(tokens: Tensor, mask: Tensor) -> Tensor:
-    """[B] drafts each row's trie match really offers, from NGRAM's padded tree (`tokens` [B, W], `mask` [B, W, W]).
+def offered_drafts(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """[B] drafts each row's trie match really offers, from NGRAM's padded tree (`tokens` [B, W], `mask` [B, W, W];
+    host arrays, as the corpus returns them).
 
     The corpus pads a short match with token 0 nodes hanging off the root (`ngram_corpus/result.cpp`); the
     padding is the run of such nodes at the end of the BFS order.
     """
     width = tokens.shape[1]
-    eye = torch.eye(width, dtype=torch.bool)
-    root_only = eye.clone()
+    root_only = np.eye(width, dtype=bool)
     root_only[:, 0] = True  # a node whose ancestors are the root and itself
-    pad = (tokens == 0) & (mask.bool() == root_only).all(-1)
+    pad = (tokens == 0) & (mask.astype(bool) == root_only).all(-1)
     pad[:, 0] = False
-    # the trailing run of pads: a node is padding when it and every later node are
-    trailing = pad.flip(1).cumprod(1).flip(1).bool()
+    trailing = np.flip(np.cumprod(np.flip(pad, 1), 1), 1)  # a node is padding when it and every later node are
     return (width - 1) - trailing.sum(1)
+
+
+def tree_parents(mask: np.ndarray) -> np.ndarray:
+    """[B, W] each node's parent, the largest strict ancestor in `mask` [B, W, W] (-1: none)."""
+    node = np.arange(mask.shape[1])
+    ancestors = mask.astype(bool) & (node[None, :] < node[:, None])
+    return np.where(ancestors, node, -1).max(-1)
 
 
 @dataclass
@@ -93,26 +101,27 @@ class StepTimes:
         return max(my - t1 * mx, 0.0), t1
 
 
-def expected_committed(acceptance: float, drafts: int) -> float:
-    """Tokens a row commits with `drafts` drafts each accepted with probability `acceptance`: 1 + a + ... + a^drafts."""
-    if acceptance >= 1.0:
-        return 1.0 + drafts
-    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+def expected_committed(acceptance, drafts):
+    """Tokens a row commits with `drafts` drafts each accepted with probability `acceptance`: 1 + a + ... + a^drafts
+    (numbers or arrays)."""
+    a, d = np.asarray(acceptance, dtype=float), np.asarray(drafts)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        geometric = (1.0 - a ** (d + 1)) / (1.0 - a)
+    return np.where(a >= 1.0, 1.0 + d, geometric)
 
 
 def entropy_width(offers: Sequence[int], entropies: Sequence[Optional[float]], times: StepTimes) -> int:
     """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows * W) (ties: the narrower)."""
     rows = len(offers)
-    acceptance = [1.0 if h is None or not math.isfinite(h) else math.exp(-max(h, 0.0)) for h in entropies]
+    acceptance = np.array([1.0 if h is None or not math.isfinite(h) else math.exp(-max(h, 0.0)) for h in entropies])
+    widths = np.arange(1, 2 + max(offers, default=0))
+    drafts = np.minimum(widths[:, None] - 1, np.asarray(offers)[None, :])  # [widths, rows]
+    committed = expected_committed(acceptance[None, :], drafts).sum(1)
     t0, t1 = times.fit()
-    best, best_rate = 1, -1.0
-    for width in range(1, 2 + max(offers, default=0)):
-        committed = sum(expected_committed(a, min(width - 1, k)) for a, k in zip(acceptance, offers))
-        cost = t0 + t1 * rows * width
-        rate = committed / cost if cost > 0 else committed  # no timing yet: the most tokens
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = width, rate
-    return best
+    cost = t0 + t1 * rows * widths
+    rate = committed / cost if t0 > 0 else committed  # no timing yet: the most tokens
+    best = np.flatnonzero(rate >= rate.max() * (1 - 1e-9))[0]
+    return int(widths[best])
 
 
 @dataclass

@@ -41,8 +41,9 @@ class Server:
 
 # Shared by our server and the stock one: fp32 so that values compare with transformers to 1e-3,
 # small prefill chunks so that long prompts exercise chunked prefill; an idle scheduler sleeps
-# instead of spinning a core (two servers are up at once on a 2-core CI machine).
-COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle"]
+# instead of spinning a core (two servers are up at once on a 2-core CI machine); a KV pool of 32k
+# tokens (the tests' longest prompts are 7k), half the launcher's default, which takes ~6 s to allocate.
+COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle", "--max-total-tokens", "32768"]
 
 
 def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
@@ -123,7 +124,7 @@ def stock_server(tmp_path_factory, model_path) -> Server:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
-           "--max-total-tokens", "65536", "--chat-template", "chatml", *COMMON_ARGS]
+           "--chat-template", "chatml", *COMMON_ARGS]
     srv = start_server(cmd, log, env=env)
     yield srv
     stop_server(srv.proc)

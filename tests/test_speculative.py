@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -13,7 +14,7 @@ from scipy.stats import chi2_contingency
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
 from sgl_entropic.speculative import (DraftSizer, StepTimes, entropy_width, expected_committed, offered_drafts,
-                                      tree_depths, tree_temperatures)
+                                      tree_depths, tree_parents, tree_temperatures)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
 
@@ -132,15 +133,16 @@ def test_speculative_sampling_under_the_controller_has_the_sequential_distributi
 
 def test_the_padding_of_a_short_trie_match_is_not_a_draft():
     # NGRAM's corpus pads a match of 2 drafts to 5 nodes with token 0 children of the root
-    tokens = torch.tensor([[7, 11, 12, 0, 0], [7, 0, 0, 0, 0], [7, 0, 5, 6, 8]])
+    tokens = np.array([[7, 11, 12, 0, 0], [7, 0, 0, 0, 0], [7, 0, 5, 6, 8]])
     parent = [[-1, 0, 1, 0, 0], [-1, 0, 0, 0, 0], [-1, 0, 1, 2, 3]]
-    mask = torch.zeros(3, 5, 5, dtype=torch.bool)
+    mask = np.zeros((3, 5, 5), dtype=np.int64)  # as the corpus returns it
     for r, ps in enumerate(parent):
         for v in range(5):
             for u in path_to(ps, v):
-                mask[r, v, u] = True
+                mask[r, v, u] = 1
     # the last row's real chain starts with token 0: only trailing root-children of token 0 are padding
     assert offered_drafts(tokens, mask).tolist() == [2, 0, 4]
+    assert tree_parents(mask).tolist() == parent
 
 
 def test_step_times_recover_a_linear_cost():
@@ -198,3 +200,28 @@ def test_the_acceptance_rule_is_sglang_s_adaptive_formula():
         sizer.observe(sizer.width([11], [None]), 1, 0.1, [1])  # one draft accepted every step
     assert sizer.accepted_ema == pytest.approx(1.0, abs=1e-3)
     assert sizer.width([11], [None]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
+
+
+def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():
+    """The plugin verifies at a step's own width but hands SGLang its output `full` columns a row (speculation.widen):
+    SGLang merges the running batch's draft input with a new extend's (always full width) and filters it by row."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+    from sgl_entropic.plugin.speculation import widen
+
+    full, width = 12, 5
+    tokens = torch.arange(1, 3 * width + 1)  # 3 rows of the narrow step, as the worker returns them
+    narrow = NgramVerifyInput(draft_token_num=width, new_seq_lens=torch.tensor([10, 20, 30]), accept_tokens=tokens,
+                              accept_lens=torch.tensor([2, 5, 1]))
+    result = SimpleNamespace(next_token_ids=tokens, next_draft_input=narrow)
+    widen(result, width, full)
+    assert result.next_token_ids.view(3, full)[:, :width].tolist() == tokens.view(3, width).tolist()
+    extend = NgramVerifyInput(draft_token_num=full, new_seq_lens=torch.tensor([7]),
+                              accept_tokens=torch.full((full,), 99), accept_lens=torch.tensor([1]))
+    narrow.merge_batch(extend)
+    narrow.filter_batch(torch.tensor([1, 3]))  # the second narrow row and the extend's row stay
+    rows = narrow.accept_tokens.view(2, full)
+    assert rows[0, :width].tolist() == list(range(width + 1, 2 * width + 1)) and rows[1].tolist() == [99] * full
+    assert narrow.accept_lens.tolist() == [5, 1]

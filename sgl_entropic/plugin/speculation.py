@@ -7,7 +7,8 @@ Three hooks on SGLang's NGRAM worker (`speculative/ngram_worker.py`):
     would sample there (the request's temperature, top-k/top-p/min-p and seed; the zero-lag controller along
     the node's path), and the drafts that match are accepted (greedy: the argmax, as SGLang does). SGLang's
     own verify never applies the controller and on CPU always commits the argmax;
-  - `forward_batch_generation`: the step's time (the entropy rule's cost model) and its output stride.
+  - `forward_batch_generation`: the step's time (the entropy rule's cost model); its output in SGLang's
+    full-width layout.
 Every committed token then gets its entropy, surprisal and temperature from the verify logits, and its trace
 the step's real work: a verify over W nodes costs W tokens' compute, charged on the step's first token.
 """
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from sgl_entropic.costs import step_cost
@@ -29,7 +31,7 @@ from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, 
                                                to_device)
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
-from sgl_entropic.speculative import DraftSizer, StepTimes, offered_drafts, tree_temperatures
+from sgl_entropic.speculative import DraftSizer, StepTimes, offered_drafts, tree_parents, tree_temperatures
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -69,7 +71,9 @@ class Speculation:
                 "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
                 "accepted_per_row_step": per(self.accepted, self.rows),
                 "verified_per_committed_token": per(self.verified, self.committed),
-                "step_time_fit_s": dict(zip(("t0", "t1_per_token"), self.sizer.times.fit()))}
+                "step_time_fit_s": dict(zip(("t0", "t1_per_token"), self.sizer.times.fit())),
+                "totals": {"verify_steps": self.steps, "rows": self.rows, "verified": self.verified,
+                           "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed}}
 
 
 def speculation(rt: Runtime, worker) -> Speculation:
@@ -78,14 +82,6 @@ def speculation(rt: Runtime, worker) -> Speculation:
         rt.speculation = Speculation(DraftSizer(cfg.draft, worker.speculative_num_draft_tokens, StepTimes()),
                                      sampler=worker.model_runner.sampler)
     return rt.speculation
-
-
-def tree_parents(mask: torch.Tensor) -> torch.Tensor:
-    """[bs, W] each node's parent, the largest strict ancestor in `mask` [bs, W, W] (-1: none)."""
-    width = mask.shape[1]
-    node = torch.arange(width)
-    ancestors = mask.bool() & (node[None, :] < node[:, None])
-    return torch.where(ancestors, node, -1).amax(-1)
 
 
 # ---------------------------------------------------------------------------------------------- hooks
@@ -102,12 +98,15 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     bs, full, device = len(batch.reqs), spec.sizer.max_width, worker.device
     worker.draft_token_num = full  # the corpus returns full-width trees
     drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
-    drafts, mask = torch.from_numpy(drafts).view(bs, full), torch.from_numpy(mask).view(bs, full, full)
+    drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = offered_drafts(drafts, mask).tolist()
     entropies = [getattr(getattr(r, "entropic", None), "last_step_entropy", None) for r in batch.reqs]
     width = spec.sizer.width(offers, entropies)
-    drafts, mask = drafts[:, :width].contiguous(), mask[:, :width, :width].contiguous()
-    spec.step = VerifyStep(width, offers, to_device(tree_parents(mask).tolist(), device))
+    drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
+    mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
+    parents = torch.from_numpy(tree_parents(mask.numpy()))
+    spec.step = VerifyStep(width, offers, parents if torch.device(device).type == "cpu"
+                           else parents.pin_memory().to(device, non_blocking=True))
 
     def build():  # SGLang's own steps, at `width`
         tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
@@ -150,8 +149,22 @@ def around_forward_batch_generation(original, worker, batch, *args, **kwargs):
         rt.rows = None  # a verify forward does not sample through ModelRunner.sample, which clears them
     if step is not None:
         step.seconds = time.perf_counter() - start
-        result.speculative_output_stride = step.width
+        widen(result, step.width, spec.sizer.max_width)
     return result
+
+
+def widen(result, width: int, full: int) -> None:
+    """The step's accepted tokens in SGLang's layout, `full` columns a row whatever the step's width: the draft
+    input is carried, filtered and merged with other batches' (an extend's is full-width) as one tensor."""
+    if width == full:
+        return
+    tokens = result.next_token_ids.view(-1, width)
+    padded = tokens.new_zeros(tokens.shape[0], full)
+    padded[:, :width] = tokens
+    result.next_token_ids = padded.view(-1)
+    draft = result.next_draft_input
+    draft.accept_tokens = result.next_token_ids
+    draft.draft_token_num = draft.num_tokens_per_req = draft.num_tokens_for_logprob_per_req = full
 
 
 def around_eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
@@ -180,22 +193,26 @@ def around_get_last_loc(original, req_to_token, req_pool_indices, prefix_lens, *
 
 
 def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Tensor, grammar_mask):
+    """SGLang's steps of verification (timed as SGLang's), with the node temperatures and the record ours."""
     from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
     from sglang.srt.utils.async_probe import sanitize_nan_logits
 
-    info = batch.sampling_info
+    info, sglang = batch.sampling_info, rt.times.sglang
     bs, width = len(batch.reqs), verify_input.draft_token_num
-    sanitize_nan_logits(logits, "verify: target model logits")
-    if info.logit_bias is not None:
-        logits.add_(info.logit_bias.repeat_interleave(width, dim=0))
-    if grammar_mask is not None:
-        grammar_mask.apply(logits)
+
+    def prepare():  # as eagle_sample does (penalties are refused: validation.py)
+        sanitize_nan_logits(logits, "verify: target model logits")
+        if info.logit_bias is not None:
+            logits.add_(info.logit_bias.repeat_interleave(width, dim=0))
+        if grammar_mask is not None:
+            grammar_mask.apply(logits)
+
+    sglang(prepare)
     rows = BatchRows.of(batch.reqs, [True] * bs, decode=True, forward_iter=getattr(batch, "forward_iter", None))
     rows.drop_released()
     table: ControllerTable = rt.controllers
-    request_t = info.temperatures.view(-1).float()
     greedy = info.top_ks.view(-1) == 1
-    node_t = request_t[:, None].repeat(1, width)  # [bs, W]
+    node_t = info.temperatures.view(-1).float()[:, None].repeat(1, width)  # [bs, W]
     ctrl = rows.positions("controller")
     if ctrl:
         pos = to_device(ctrl, logits.device)
@@ -204,53 +221,67 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
         controllers = ControllerBatch(*table.entropic.index_select(1, slots))
         node_t.index_copy_(0, pos, tree_temperatures(logits.view(bs, width, -1).index_select(0, pos),
                                                      step.parent.index_select(0, pos), controllers))
-    if info.is_all_greedy:
-        target = logits.argmax(dim=-1)
-    else:  # SGLang's own sampler, per node: softmax at the node's temperature, then top-k/top-p/min-p, seed
-        probs = torch.softmax(logits.float() / node_t.view(-1, 1), dim=-1)
-        per_node = {name: getattr(info, name).repeat_interleave(width, dim=0)
-                    for name in ("temperatures", "top_ps", "top_ks", "min_ps")}
-        if info.sampling_seed is not None:
-            per_node["sampling_seed"] = info.sampling_seed.repeat_interleave(width, dim=0)
-        node_info = dataclasses.replace(info, sampling_mask_batch_indices=None, **per_node)
-        simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
-        target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
-    predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
-    accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
-    num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
-    verify_tree_greedy_func(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
-                            candidates=verify_input.draft_token.view(bs, width),
-                            retrieve_index=verify_input.retrieve_index,
-                            retrieve_next_token=verify_input.retrieve_next_token,
-                            retrieve_next_sibling=verify_input.retrieve_next_sibling,
-                            target_predict=target.view(bs, width), topk=verify_input.tree_topk)
-    accept_lens = num_correct + 1
+
+    def sample():  # every node from its own distribution, by SGLang's sampler; then SGLang's walk
+        if info.is_all_greedy:
+            target = logits.argmax(dim=-1)
+        else:  # softmax at the node's temperature, then the request's top-k/top-p/min-p and seed
+            probs = torch.softmax(logits.float() / node_t.view(-1, 1), dim=-1)
+            per_node = {name: getattr(info, name).repeat_interleave(width, dim=0)
+                        for name in ("temperatures", "top_ps", "top_ks", "min_ps")}
+            if info.sampling_seed is not None:
+                per_node["sampling_seed"] = info.sampling_seed.repeat_interleave(width, dim=0)
+            node_info = dataclasses.replace(info, sampling_mask_batch_indices=None, **per_node)
+            simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
+            target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
+        predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
+        accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
+        num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
+        verify_tree_greedy_func(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
+                                candidates=verify_input.draft_token.view(bs, width),
+                                retrieve_index=verify_input.retrieve_index,
+                                retrieve_next_token=verify_input.retrieve_next_token,
+                                retrieve_next_sibling=verify_input.retrieve_next_sibling,
+                                target_predict=target.view(bs, width), topk=verify_input.tree_topk)
+        return target.view(-1), predict, accept_index, num_correct + 1
+
+    target, predict, accept_index, accept_lens = sglang(sample)
     try:
-        rt.pending.append(record(rt, step, rows, logits, node_t, greedy, predict, accept_index, accept_lens, ctrl,
+        rt.pending.append(record(rt, step, rows, logits, node_t, greedy, target, accept_index, accept_lens, ctrl,
                                  batch))
     except Exception:
         logger.exception("sgl-entropic: recording the verify step failed; its trace values are missing")
     return predict, accept_lens, accept_index
 
 
-def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, predict, accept_index,
+def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, target, accept_index,
            accept_lens, ctrl: list[int], batch) -> "VerifyRecord":
-    """The committed nodes' signal on the device, the controllers' state after the step, one host transfer."""
+    """The committed nodes' signal on the device, the controllers' state after the step, one host transfer.
+
+    A committed node's token is its sample (`target`). On CPU only the committed nodes are measured (the host
+    knows which); on a GPU every node is, which needs no device read.
+    """
     bs, width = accept_index.shape
     committed = accept_index >= 0
     nodes = accept_index.long().clamp_min(0)  # [bs, W] flat node index per committed position (0 beyond)
     node_temps = node_t.view(-1).gather(0, nodes.view(-1)).view(bs, width)
-    used_t = torch.where(greedy[:, None], 0.0, node_temps)
-    stats = token_stats(logits.index_select(0, nodes.view(-1)), predict.long().gather(0, nodes.view(-1)),
-                        torch.where(greedy[:, None], 1.0, 1.0 / node_temps).view(-1))
+    inv_t = torch.where(greedy[:, None], 1.0, 1.0 / node_t).view(-1)  # greedy: measured at T = 1
+    if logits.is_cpu:
+        keep = nodes[committed]
+        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t.index_select(0, keep))
+        flat = committed.view(-1)
+        stats = [torch.zeros(bs * width).masked_scatter_(flat, x.float()) for x in measured[:2] + (measured.valid,)]
+    else:
+        measured = token_stats(logits, target, inv_t)
+        stats = [x.float().gather(0, nodes.view(-1)) for x in (measured.entropy, measured.surprisal, measured.valid)]
     if ctrl:  # the controller's state is the one after the request's last committed token
         pos = to_device(ctrl, logits.device)
         slots = batch.req_pool_indices.index_select(0, pos).long()
         last = node_temps.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1)
         rt.controllers.entropic[_T].index_copy_(0, slots, last.index_select(0, pos))
         rt.controllers.entropic[_STEPS].index_add_(0, slots, accept_lens.float().index_select(0, pos))
-    values = torch.stack([stats.entropy, stats.surprisal, stats.valid.float(), used_t.view(-1),
-                          committed.float().view(-1)]).view(5, bs, width)
+    used_t = torch.where(greedy[:, None], 0.0, node_temps)
+    values = torch.stack([*stats, used_t.view(-1), committed.float().view(-1)]).view(5, bs, width)
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
     host.copy_(values, non_blocking=True)
     ready = None

