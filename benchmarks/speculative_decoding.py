@@ -39,9 +39,9 @@ from full_system import plugin_time, plugin_time_during
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 WORKLOADS = ("agent", "doc", "chat")
-SIZES = {  # requests (agent: conversations) at concurrency 1 and 8
-    "agent": {1: 4, 8: 16}, "doc": {1: 3, 8: 8}, "chat": {1: 6, 8: 24}}
-OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 256}
+SIZES = {  # requests (agent: conversations of 3 turns) at concurrency 1 and 8
+    "agent": {1: 3, 8: 12}, "doc": {1: 3, 8: 6}, "chat": {1: 5, 8: 16}}
+OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 192}  # the most a turn or answer may take
 
 
 # ---------------------------------------------------------------------------- workload files (real text)

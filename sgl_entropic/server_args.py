@@ -51,6 +51,14 @@ def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: st
     if config.pruning_on and config.pruning.selector == "surprisal":
         raise ValueError(f"pruning.selector 'surprisal' with {asked}: its per-token scores are not recorded inside "
                          "verification")
+    tp, pp = int(args.get("tp_size") or 1), int(args.get("pp_size") or 1)
+    if pp > 1:
+        raise ValueError(f"{spell('pp_size', pp)} with {asked}: not served (the plugin's verification runs on the "
+                         "last pipeline stage's logits only)")
+    if tp > 1 and config.speculative.draft == "entropy":
+        raise ValueError(f"speculative.draft 'entropy' with {spell('tp_size', tp)}: its step-time fit is measured "
+                         "on each rank and the ranks must agree on every step's width; use 'acceptance', 'matched' "
+                         "or 'fixed'")
     updates: dict[str, Any] = {}
     if config.pruning_on:  # KV pages of pruning.page_size tokens: SGLang verifies trees there with FlashInfer only
         breadth = args.get("speculative_ngram_max_bfs_breadth")
@@ -83,7 +91,7 @@ def spell_kwarg(name: str, value: Any) -> str:
     return f"{name}={value!r}"
 
 
-SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend",
-                      *REFUSED_WITH_SPECULATION)
+SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend", "tp_size",
+                      "pp_size", *REFUSED_WITH_SPECULATION)
 BOOLEAN_FIELDS = frozenset({"speculative_adaptive", "speculative_use_rejection_sampling",
                             "speculative_use_block_verification"})

@@ -195,6 +195,7 @@ def around_get_last_loc(original, req_to_token, req_pool_indices, prefix_lens, *
 def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Tensor, grammar_mask):
     """SGLang's steps of verification (timed as SGLang's), with the node temperatures and the record ours."""
     from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.async_probe import sanitize_nan_logits
 
     info, sglang = batch.sampling_info, rt.times.sglang
@@ -243,6 +244,10 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
                                 retrieve_next_token=verify_input.retrieve_next_token,
                                 retrieve_next_sibling=verify_input.retrieve_next_sibling,
                                 target_predict=target.view(bs, width), topk=verify_input.tree_topk)
+        tp_group = get_parallel().tp_group
+        if tp_group.world_size > 1:  # ranks may sample differently: rank 0's verdict stands, as in eagle_sample
+            for t in (predict, accept_index, num_correct, target):
+                tp_group.broadcast(t, src=0)
         return target.view(-1), predict, accept_index, num_correct + 1
 
     target, predict, accept_index, accept_lens = sglang(sample)
