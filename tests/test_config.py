@@ -83,3 +83,22 @@ def test_config_arg_takes_inline_json_or_a_file(tmp_path):
     assert parse_config_arg('{"mode": "full"}') == {"mode": "full"}
     with pytest.raises(ValueError):
         parse_config_arg('{"x": Infinity}')
+
+
+def test_the_engine_spells_speculative_refusals_as_its_own_parameters():
+    """One rule set for the launcher and sgl_entropic.Engine (server_args.speculative_args): the Engine's
+    ValueError names its keyword argument, and what the plugin sets comes back as Engine arguments."""
+    from sgl_entropic.server_args import speculative_args, spell_kwarg
+
+    config = EntropicConfig()
+    with pytest.raises(ValueError, match="speculative_algorithm='EAGLE3'"):
+        speculative_args(config, {"speculative_algorithm": "EAGLE3"}, "cpu", spell_kwarg)
+    with pytest.raises(ValueError, match="speculative_adaptive=True"):
+        speculative_args(config, {"speculative_algorithm": "NGRAM", "speculative_adaptive": True}, "cpu", spell_kwarg)
+    spec, updates = speculative_args(config, {"speculative_algorithm": "ngram"}, "cpu", spell_kwarg)
+    assert spec.speculative_on and spec.speculative.algorithm == "NGRAM"
+    assert updates == {"speculative_ngram_max_bfs_breadth": 1, "attention_backend": "entropic"}
+    # without pruning the KV pool keeps SGLang's pages: trees stay allowed; on CUDA SGLang's backend verifies
+    sampling = EntropicConfig(mode="sampling")
+    assert speculative_args(sampling, {"speculative_algorithm": "NGRAM"}, "cuda", spell_kwarg)[1] == {}
+    assert speculative_args(config, {}, "cpu", spell_kwarg) == (config, {})

@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from sgl_entropic.config import SERVER_ONLY, PruningConfig, SamplingConfig, SchedulingConfig
+from sgl_entropic.config import SERVER_ONLY, PruningConfig, SamplingConfig, SchedulingConfig, SpeculativeConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
 from sgl_entropic.signal import entropy_exact
 from tests.stepping import Stepper
@@ -390,7 +390,8 @@ def test_the_bad_input_matrix_covers_every_field_and_category():
 # Beyond tests/test_foundation.py's cases: every field of every section, wrong type and past its
 # bounds, plus malformed JSON and files. Each must exit 2 before SGLang (and the model) is touched.
 
-SECTIONS = {"sampling": SamplingConfig, "scheduling": SchedulingConfig, "pruning": PruningConfig}
+SECTIONS = {"sampling": SamplingConfig, "scheduling": SchedulingConfig, "pruning": PruningConfig,
+            "speculative": SpeculativeConfig}
 ALREADY_IN_FOUNDATION = {("sampling", "eta", -1)}
 
 
@@ -430,6 +431,26 @@ def _launcher_cases():
         (["--entropic", "pruning", "--enable-hisparse"], "--enable-hisparse"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),  # the default mode, full, prunes
         (["--entropic", "full", "--disaggregation-mode=prefill"], "--disaggregation-mode prefill"),
+        # speculative decoding: only what the plugin verifies exactly (server_args.speculative_args)
+        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
+        (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-adaptive"], "--speculative-adaptive"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-accept-threshold-single", "0.5"],
+         "--speculative-accept-threshold-single 0.5"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-use-rejection-sampling"],
+         "--speculative-use-rejection-sampling"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "3"],
+         "--speculative-ngram-max-bfs-breadth 3"),  # full prunes: KV pages of 16 tokens take chains only
+        (["--entropic", "sampling", "--speculative-algorithm", "NGRAM", "--attention-backend", "torch_native",
+          "--device", "cpu"], "--attention-backend torch_native"),
+        (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "--tp-size 2"),
+        (["--speculative-algorithm", "NGRAM", "--pp-size", "2"], "--pp-size 2"),
+        (["--speculative-algorithm", "NGRAM", "--entropic-config", '{"sampling": {"controller": "mirostat_v2"}}'],
+         "mirostat_v2"),
+        (["--speculative-algorithm", "NGRAM", "--entropic-config", '{"pruning": {"selector": "surprisal"}}'],
+         "pruning.selector"),
+        (["--entropic-config", '{"speculative": {"algorithm": "NGRAM"}}'], "speculative.algorithm"),
+        (["--entropic-config", '{"speculative": {"draft": "longest"}}'], "speculative.draft"),
     ]
     return cases
 
