@@ -197,3 +197,49 @@ def _against_triton() -> int:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through the pytest test above"
     print(f"checked {_against_triton()} cases")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_verify_forward_attends_each_node_s_prefix_and_tree_ancestors(seed):
+    """The CPU verify attention (plugin/verify_attention.py) against plain math per node: softmax over the row's
+    prefix keys and the node's ancestors (and itself) only, at uneven prefix lengths, scattered KV slots, random
+    trees, GQA, with and without a sliding window."""
+    from sgl_entropic.plugin.verify_attention import tree_verify_attention, verify_rows
+    from sgl_entropic.pruning import sparse_decode_attention
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    bs, width, heads_q, heads_kv, dim = 3, 5, 6, 2, 8
+    prefix = [rng.randrange(1, 40) for _ in range(bs)]
+    parents = [random_tree(rng, width) for _ in range(bs)]
+    tree = torch.tensor([ancestors_mask(p) for p in parents], dtype=torch.bool)
+    depth = [[len([1 for j in range(width) if m[i][j]]) - 1 for i in range(width)]
+             for m in (ancestors_mask(p) for p in parents)]
+    positions = torch.tensor([[n + d for d in depth[b]] for b, n in enumerate(prefix)])
+    pool = 2 * bs * (max(prefix) + width) + 10
+    k_cache, v_cache = torch.randn(pool, heads_kv, dim, generator=gen), torch.randn(pool, heads_kv, dim, generator=gen)
+    req_to_token = torch.randperm(pool, generator=gen)[: 2 * bs * (max(prefix) + width)].view(2 * bs, -1)
+    pool_rows = torch.tensor([2 * b + 1 for b in range(bs)])  # not the batch's own order
+    q = torch.randn(bs * width, heads_q, dim, generator=gen)
+    rows = verify_rows(req_to_token.int(), pool_rows, prefix, tree, positions)
+    for window in (None, 6):
+        got = tree_verify_attention(q, k_cache, v_cache, rows, 0.3, window)
+        for b, n in enumerate(prefix):
+            slots = req_to_token[pool_rows[b], : n + width]
+            for i in range(width):
+                keys = list(range(n)) + [n + j for j in range(width) if parents_see(parents[b], i, j)]
+                key_pos = list(range(n)) + positions[b].tolist()
+                if window is not None:
+                    keys = [c for c in keys if key_pos[c] >= int(positions[b, i]) - window]
+                want = sparse_decode_attention(q[b * width + i], k_cache[slots], v_cache[slots],
+                                               torch.tensor(keys), scale=0.3)
+                torch.testing.assert_close(got[b * width + i], want, rtol=1e-5, atol=1e-5)
+
+
+def parents_see(parent: list[int], node: int, key: int) -> bool:
+    """Whether `key` is `node` or one of its ancestors."""
+    while node >= 0:
+        if node == key:
+            return True
+        node = parent[node]
+    return False
