@@ -5,19 +5,20 @@ Torch and numpy (for the host's small per-step arrays); nothing here imports sgl
 
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
-All rows of a verify batch share one width W (SGLang's layout), so a step costs about t0 + t1 * (rows * W)
-and commits, per row, its bonus token plus the drafts accepted in a row. A rule picks W per step:
+All rows of a verify batch share one width W (SGLang's layout), so a step costs about
+t0 + t_row * rows + t_draft * rows * (W - 1) and commits, per row, its bonus token plus the drafts accepted in a row. A rule picks W per step:
 
 * ``fixed``: the server's maximum, every step (SGLang's own behaviour);
 * ``matched``: 1 + the most drafts any row's trie match offers (never verifies padding);
 * ``acceptance``: SGLang's adaptive rule (`adaptive_spec_params.AdaptiveStepSlot`) on NGRAM: an EMA of the
   accepted drafts per row and step, W - 1 = round(EMA) + 1 (probe one beyond what was accepted);
 * ``entropy``: the W that maximises the expected committed tokens per second,
-  sum_rows E_r(W) / T(rows * W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j and a_r = exp(-H_r).
+  sum_rows E_r(W) / T(rows, W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j and a_r = exp(-H_r).
   H_r is the mean entropy of the tokens row r committed in its last step, and exp(-H) is a lower bound on
   the probability of the model's most likely token (Shannon entropy >= min-entropy): where the drafts copy
   what the model would say, each of them is accepted with at least that chance. T is a least-squares fit
-  of this server's own verify steps (`StepTimes`). Nothing in the rule is tuned to a prompt.
+  of this server's own verify steps, a fixed part, a part per row and a part per draft (`StepTimes`).
+  Nothing in the rule is tuned to a prompt.
 
 Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
 drafts (a shorter row would cost the same padded slots).
@@ -33,7 +34,7 @@ and that is what sampling from p and comparing does).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 import numpy as np
@@ -73,55 +74,55 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
 
 @dataclass
 class StepTimes:
-    """Least-squares fit t = t0 + t1 * tokens of this server's verify steps, recent steps weighted most.
+    """Least-squares fit t = t0 + t_row * rows + t_draft * rows * (W - 1) of this server's verify steps, recent
+    steps weighted most (`decay` per step: a changing machine is followed).
 
-    Exponential forgetting (`decay` per step) follows a changing machine; until the steps seen span two
-    token counts, t1 is 0 (no evidence yet that a verified token costs anything).
+    A row costs its prefix's attention whatever its width, a draft only its own token: one slope for both made a
+    long context's rows look like expensive drafts. A small ridge pulls what the steps cannot tell apart toward
+    0; on t_draft that is optimism, so a rule that stopped drafting learns the price of a draft again by
+    drafting (an unmeasured draft looks free).
     """
 
     decay: float = 0.98
-    w: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    ridge: float = 1e-3
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _fit: Optional[tuple[float, float, float]] = None  # solved once per observation
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + tokens, d * self.sy + seconds
-        self.sxx, self.sxy = d * self.sxx + tokens * tokens, d * self.sxy + tokens * seconds
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        x = np.array([1.0, rows, rows * (width - 1)])
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
+        self._fit = None
 
-    def fit(self) -> tuple[float, float]:
-        """(t0, t1) in seconds and seconds per verified token; (0, 0) before any step."""
-        if self.w == 0:
-            return 0.0, 0.0
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        t1 = max(0.0, (self.sxy / self.w - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
-        return max(my - t1 * mx, 0.0), t1
+    def fit(self) -> tuple[float, float, float]:
+        """(t0, t_row, t_draft) in seconds; zeros before any step."""
+        if self._fit is None:
+            w = self.xtx[0, 0]
+            if w == 0:
+                return 0.0, 0.0, 0.0
+            penalty = self.ridge * w * np.diag([0.0, 1.0, 1.0])
+            t0, t_row, t_draft = np.linalg.solve(self.xtx + penalty, self.xty)
+            self._fit = max(float(t0), 0.0), max(float(t_row), 0.0), max(float(t_draft), 0.0)
+        return self._fit
 
-
-def expected_committed(acceptance, drafts):
-    """Tokens a row commits with `drafts` drafts each accepted with probability `acceptance`: 1 + a + ... + a^drafts
-    (numbers or arrays)."""
-    a, d = np.asarray(acceptance, dtype=float), np.asarray(drafts)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        geometric = (1.0 - a ** (d + 1)) / (1.0 - a)
-    return np.where(a >= 1.0, 1.0 + d, geometric)
+    def seconds(self, rows: int, widths: np.ndarray) -> np.ndarray:
+        t0, t_row, t_draft = self.fit()
+        return t0 + t_row * rows + t_draft * rows * (widths - 1)
 
 
 def entropy_width(offers: Sequence[int], entropies: Sequence[Optional[float]], times: StepTimes) -> int:
-    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows * W) (ties: the narrower)."""
+    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows, W) (ties: the narrower), with
+    E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r = exp(-H_r) (a row not measured yet: 1)."""
     rows = len(offers)
     acceptance = np.array([1.0 if h is None or not math.isfinite(h) else math.exp(-max(h, 0.0)) for h in entropies])
-    widths = np.arange(1, 2 + max(offers, default=0))
-    drafts = np.minimum(widths[:, None] - 1, np.asarray(offers)[None, :])  # [widths, rows]
-    committed = expected_committed(acceptance[None, :], drafts).sum(1)
-    t0, t1 = times.fit()
-    cost = t0 + t1 * rows * widths
-    rate = committed / cost if t0 > 0 else committed  # no timing yet: the most tokens
-    best = np.flatnonzero(rate >= rate.max() * (1 - 1e-9))[0]
-    return int(widths[best])
+    depth = np.arange(1 + max(offers, default=0))[:, None]  # a width W verifies depths 0 .. W - 1
+    terms = np.where(depth <= np.asarray(offers)[None, :], acceptance[None, :] ** depth, 0.0)  # [widths, rows]
+    committed = terms.cumsum(0).sum(1)
+    widths = depth[:, 0] + 1
+    cost = times.seconds(rows, widths)
+    rate = committed / cost if cost[0] > 0 else committed  # no timing yet: the most tokens
+    return int(widths[np.flatnonzero(rate >= rate.max() * (1 - 1e-9))[0]])
 
 
 @dataclass
@@ -147,7 +148,7 @@ class DraftSizer:
 
     def observe(self, width: int, rows: int, seconds: float, accepted: Sequence[int]) -> None:
         """A verify step's outcome: its time (the fit) and the drafts each row accepted (the EMA)."""
-        self.times.observe(rows * width, seconds)
+        self.times.observe(rows, width, seconds)
         if accepted and width > 1:
             mean = sum(accepted) / len(accepted)
             a = ACCEPTANCE_EMA_ALPHA

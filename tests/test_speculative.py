@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (DraftSizer, StepTimes, entropy_width, expected_committed, offered_drafts,
+from sgl_entropic.speculative import (DraftSizer, StepTimes, entropy_width, offered_drafts,
                                       tree_depths, tree_parents, tree_temperatures)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
@@ -145,26 +145,31 @@ def test_the_padding_of_a_short_trie_match_is_not_a_draft():
     assert tree_parents(mask).tolist() == parent
 
 
-def test_step_times_recover_a_linear_cost():
+def test_step_times_recover_the_fixed_the_per_row_and_the_per_draft_cost():
     times = StepTimes()
-    for tokens in [1, 4, 8, 2, 16, 3] * 5:
-        times.observe(tokens, 0.05 + 0.004 * tokens)
-    t0, t1 = times.fit()
-    assert t0 == pytest.approx(0.05, rel=1e-6) and t1 == pytest.approx(0.004, rel=1e-6)
-    single = StepTimes()
-    single.observe(8, 0.1)
-    assert single.fit() == (pytest.approx(0.1), 0.0)  # one token count: no evidence of a per-token cost
+    for rows, width in [(1, 1), (4, 3), (8, 1), (2, 6), (8, 5), (3, 2)] * 5:
+        times.observe(rows, width, 0.05 + 0.02 * rows + 0.004 * rows * (width - 1))
+    t0, t_row, t_draft = times.fit()
+    assert (t0, t_row, t_draft) == (pytest.approx(0.05, rel=1e-2), pytest.approx(0.02, rel=1e-2),
+                                    pytest.approx(0.004, rel=1e-2))
 
 
-def test_expected_committed_is_the_geometric_sum():
-    assert expected_committed(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_committed(1.0, 3) == 4.0 and expected_committed(0.0, 5) == 1.0
-
-
-def fitted(t0: float, t1: float) -> StepTimes:
+def test_a_draft_the_steps_never_priced_looks_free_so_the_rule_drafts_again():
+    """Rows of a long context cost much whatever their width; steps that never drafted say nothing of a draft's
+    price, and one slope for both would have priced drafts at a whole row's cost (and never drafted again)."""
     times = StepTimes()
-    for tokens in (1, 10):
-        times.observe(tokens, t0 + t1 * tokens)
+    for rows in [1, 4, 8, 2, 6] * 6:
+        times.observe(rows, 1, 0.05 + 0.03 * rows)
+    t0, t_row, t_draft = times.fit()
+    assert t_row == pytest.approx(0.03, rel=1e-2) and t_draft == pytest.approx(0.0, abs=1e-4)
+    assert entropy_width([5, 5], [0.5, 0.5], times) > 1
+
+
+def fitted(t0: float, t_draft: float) -> StepTimes:
+    """Steps of one row at widths 1 and 10."""
+    times = StepTimes()
+    for width in (1, 10, 1, 10):
+        times.observe(1, width, t0 + t_draft * (width - 1))
     return times
 
 
@@ -176,7 +181,7 @@ def test_the_entropy_rule_drafts_long_when_the_model_is_sure_and_not_at_all_when
     assert 1 < middle < 8
     # the width maximises the expected tokens per second, by brute force over the widths
     a = math.exp(-0.7)
-    best = max(range(1, 9), key=lambda w: expected_committed(a, w - 1) / (0.1 + 0.01 * w))
+    best = max(range(1, 9), key=lambda w: sum(a ** j for j in range(w)) / (0.1 + 0.01 * (w - 1)))
     assert middle == best
     # free verification (no evidence of a per-token cost yet): as wide as the matches go
     assert entropy_width([3, 5], [3.0, 3.0], StepTimes()) == 6

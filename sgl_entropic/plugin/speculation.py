@@ -71,7 +71,7 @@ class Speculation:
                 "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
                 "accepted_per_row_step": per(self.accepted, self.rows),
                 "verified_per_committed_token": per(self.verified, self.committed),
-                "step_time_fit_s": dict(zip(("t0", "t1_per_token"), self.sizer.times.fit())),
+                "step_time_fit_s": dict(zip(("t0", "per_row", "per_draft"), self.sizer.times.fit())),
                 "totals": {"verify_steps": self.steps, "rows": self.rows, "verified": self.verified,
                            "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed}}
 
@@ -261,39 +261,46 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
 
 def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, target, accept_index,
            accept_lens, ctrl: list[int], batch) -> "VerifyRecord":
-    """The committed nodes' signal on the device, the controllers' state after the step, one host transfer.
+    """The committed nodes' signal, the controllers' state after the step, one host transfer.
 
-    A committed node's token is its sample (`target`). On CPU only the committed nodes are measured (the host
-    knows which); on a GPU every node is, which needs no device read.
+    A committed node's token is its sample (`target`). On CPU only the committed nodes are measured and the rest
+    is host bookkeeping in numpy (torch's per-op cost on small tensors was most of the plugin's time in a verify
+    step); on a GPU every node is measured on the device, which needs no device read.
     """
     bs, width = accept_index.shape
-    committed = accept_index >= 0
-    nodes = accept_index.long().clamp_min(0)  # [bs, W] flat node index per committed position (0 beyond)
-    node_temps = node_t.view(-1).gather(0, nodes.view(-1)).view(bs, width)
-    inv_t = torch.where(greedy[:, None], 1.0, 1.0 / node_t).view(-1)  # greedy: measured at T = 1
-    if logits.is_cpu:
-        keep = nodes[committed]
-        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t.index_select(0, keep))
-        flat = committed.view(-1)
-        stats = [torch.zeros(bs * width).masked_scatter_(flat, x.float()) for x in measured[:2] + (measured.valid,)]
-    else:
-        measured = token_stats(logits, target, inv_t)
-        stats = [x.float().gather(0, nodes.view(-1)) for x in (measured.entropy, measured.surprisal, measured.valid)]
     if ctrl:  # the controller's state is the one after the request's last committed token
         pos = to_device(ctrl, logits.device)
         slots = batch.req_pool_indices.index_select(0, pos).long()
-        last = node_temps.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1)
-        rt.controllers.entropic[_T].index_copy_(0, slots, last.index_select(0, pos))
+        last_node = accept_index.long().gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1).index_select(0, pos)
+        rt.controllers.entropic[_T].index_copy_(0, slots, node_t.view(-1).index_select(0, last_node))
         rt.controllers.entropic[_STEPS].index_add_(0, slots, accept_lens.float().index_select(0, pos))
-    used_t = torch.where(greedy[:, None], 0.0, node_temps)
-    values = torch.stack([*stats, used_t.view(-1), committed.float().view(-1)]).view(5, bs, width)
+    if logits.is_cpu:
+        nodes = accept_index.numpy()
+        committed = nodes >= 0
+        keep = torch.from_numpy(nodes[committed].astype(np.int64))
+        row_greedy = greedy.numpy()[np.nonzero(committed)[0]]
+        temps = node_t.view(-1).index_select(0, keep)
+        inv_t = torch.where(torch.from_numpy(row_greedy), 1.0, 1.0 / temps)  # greedy: measured at T = 1
+        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t)
+        host = np.zeros((5, bs, width), dtype=np.float32)
+        host[:, committed] = np.stack([measured.entropy.numpy(), measured.surprisal.numpy(),
+                                       measured.valid.numpy(), np.where(row_greedy, 0.0, temps.numpy()),
+                                       np.ones(len(keep))])
+        return VerifyRecord(rows, host, None, batch.seq_lens_cpu.tolist(), step)
+    committed = accept_index >= 0
+    nodes = accept_index.long().clamp_min(0).view(-1)  # flat node index per committed position (0 beyond)
+    inv_t = torch.where(greedy[:, None], 1.0, 1.0 / node_t).view(-1)
+    measured = token_stats(logits, target, inv_t)
+    used_t = torch.where(greedy[:, None], 0.0, node_t).view(-1)
+    values = torch.stack([x.float().gather(0, nodes) for x in (measured.entropy, measured.surprisal, measured.valid,
+                                                                used_t)] + [committed.float().view(-1)])
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
     host.copy_(values, non_blocking=True)
     ready = None
     if values.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    return VerifyRecord(rows, host, ready, batch.seq_lens_cpu.tolist(), step)
+    return VerifyRecord(rows, host.view(5, bs, width), ready, batch.seq_lens_cpu.tolist(), step)
 
 
 @dataclass
@@ -301,7 +308,7 @@ class VerifyRecord:
     """A verify step's values on their way to the host; `finish` is `PendingRecord.finish` for k tokens a row."""
 
     rows: BatchRows
-    host: torch.Tensor  # [5, bs, W]: entropy, surprisal, valid, temperature used, committed
+    host: object  # [5, bs, W] (numpy on CPU): entropy, surprisal, valid, temperature used, committed
     ready: Optional[object]
     seq_lens: list[int]
     step: VerifyStep
