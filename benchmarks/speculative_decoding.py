@@ -3,9 +3,12 @@
 Configurations (each a server, started per round in a rotated order, its warm-up request first):
   stock          `python -m sglang.launch_server`, no speculation (stock cannot run NGRAM on CPU: no sgl_kernel)
   ours           `--entropic full`, no speculation (what the plugin does without it)
-  fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default)
+  fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default);
+                 the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
   entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/speculative.py), at most 12
+With pruning (`full`), verify steps attend densely; `ours` prunes where its start-up probe found it pays
+(`min_context` from /server_info is recorded with each run).
 Workloads, each at concurrency 1 and 8 (greedy, as the bench client sends; lossless speculation gives every
 configuration the same tokens):
   agent  multi-turn conversations (`--dataset-name agentic-trace`, the server's own replies fed back) whose
@@ -15,11 +18,11 @@ configuration the same tokens):
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
 Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 end-to-end latency; from the server, the verify
 steps' widths, drafts and accepted drafts (`/server_info` before and after), tokens committed per verify and
-verified per committed token, and the plugin's own time per decode step. Medians over rounds with min-max, and
-each round's ratio to stock of that round. `--sweep` runs the fixed lengths first to find the best one.
+verified per committed token, and the plugin's own time per decode step. Medians over rounds with min-max, each
+round's ratio to stock of that round, and the rules' ratio to the best fixed length of that round.
 
-    .venv/bin/python benchmarks/speculative_decoding.py --sweep 2,4,6,8,12     # which fixed length is best
-    .venv/bin/python benchmarks/speculative_decoding.py --best-fixed 4          # the table (3 rounds)
+    .venv/bin/python benchmarks/speculative_decoding.py            # the table (3 rounds, ~2.5 h on 2 cores)
+    .venv/bin/python benchmarks/speculative_decoding.py --quick    # a smoke run
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import common
 from full_system import plugin_time, plugin_time_during
@@ -151,6 +155,12 @@ def speculative(info: dict) -> dict:
     return (states[0].get("entropic") or {}).get("speculative") or {}
 
 
+def pruning_from(info: dict) -> object:
+    """The context from which this server prunes decode steps (None: stock, or never)."""
+    states = info.get("internal_states") or [{}]
+    return ((states[0].get("entropic") or {}).get("pruning") or {}).get("min_context")
+
+
 def spec_during(before: dict, after: dict) -> dict:
     """Verify steps between two /server_info reads (they accumulate): widths, drafts, accepted, committed."""
     if not after:
@@ -159,11 +169,11 @@ def spec_during(before: dict, after: dict) -> dict:
     diff = {k: after["totals"][k] - (before or {}).get("totals", {}).get(k, 0) for k in keys}
     r = diff["rows"] or 1
     return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
-            "committed_per_verify": diff["committed"] / r,
+            "accepted_per_verify": diff["accepted"] / r, "committed_per_verify": diff["committed"] / r,
             "verified_per_committed": diff["verified"] / diff["committed"] if diff["committed"] else None}
 
 
-def config_command(config: str, port: int, common_args: list[str], best_fixed: int) -> list[str]:
+def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
     if config == "stock":
         return common.stock_command(port, common_args)
     if config == "ours":
@@ -176,11 +186,9 @@ def config_command(config: str, port: int, common_args: list[str], best_fixed: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--best-fixed", type=int, default=None, help="the fixed length --sweep found best")
-    ap.add_argument("--sweep", default="", help="fixed lengths to compare (1 round, agent and chat workloads)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--configs", default="stock,ours,fixed-12,fixed-best,acceptance,entropy")
+    ap.add_argument("--configs", default="stock,ours,fixed-2,fixed-4,fixed-12,acceptance,entropy")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--output", default=str(DATA))
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 requests each, 32 tokens")
@@ -192,13 +200,7 @@ def main() -> None:
             OUTPUT_LEN[w] = 32
     workloads = args.workloads.split(",")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    if args.sweep:
-        configs = [f"fixed-{k}" for k in args.sweep.split(",")]
-        rounds, workloads = 1, [w for w in workloads if w != "doc"]
-    else:
-        configs = [f"fixed-{args.best_fixed}" if c == "fixed-best" else c for c in args.configs.split(",")]
-        configs = list(dict.fromkeys(configs))  # fixed-best may be fixed-12
-        rounds = args.rounds
+    configs, rounds = args.configs.split(","), args.rounds
     model = common.bundled_model()
     from transformers import AutoTokenizer
 
@@ -212,7 +214,7 @@ def main() -> None:
         order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
         for config in order:
             port = common.free_port()
-            cmd = config_command(config, port, common_args, args.best_fixed)
+            cmd = config_command(config, port, common_args)
             with common.start_server(config, cmd, port, common.server_env("cpu", stock=config == "stock")) as srv:
                 for w in workloads:
                     for c in concurrencies:
@@ -223,6 +225,7 @@ def main() -> None:
                         if before is not None:
                             r["plugin_time"] = plugin_time_during(before, plugin_time(info))
                         r["speculative"] = spec_during(spec_before, speculative(info))
+                        r["pruning_min_context"] = pruning_from(info)
                         runs.append({"round": rnd, "config": config, "workload": w, "concurrency": c, **r})
                         s = r["speculative"]
                         common.log_line(f"round {rnd} {config} {w} B{c}: {r['output_throughput']:.1f} tok/s, "
@@ -234,10 +237,28 @@ def main() -> None:
     summary, text = summarize(runs, configs, workloads, concurrencies)
     data = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "environment": common.environment(),
             "args": vars(args), "configs": configs, "summary": summary, "runs": runs, "markdown": text}
-    out = Path(args.output) if not args.sweep else common.RESULTS_DIR / f"speculative_sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.output)
     out.write_text(json.dumps(common._clean(data), indent=1) + "\n")
     print(text)
     common.log_line(f"wrote {out}")
+
+
+def best_fixed(runs: list[dict], workload: str, concurrency: int) -> Optional[str]:
+    """The fixed length with the highest median output throughput on this workload and batch size."""
+    fixed = {r["config"] for r in runs if r["config"].startswith("fixed-")}
+    mine = lambda c: [r["output_throughput"] for r in runs  # noqa: E731
+                      if (r["workload"], r["concurrency"], r["config"]) == (workload, concurrency, c)]
+    return max(sorted(fixed), key=lambda c: common.median(mine(c)), default=None)
+
+
+def comparisons(config: str, best: Optional[str]) -> list[tuple[str, str]]:
+    """(baseline config, label) pairs a config's per-round ratios are taken against."""
+    pairs = [("stock", "vs_stock")] if config != "stock" else []
+    if best is not None and config in ("acceptance", "entropy"):
+        pairs.append((best, "vs_best_fixed"))
+    if config == "entropy":
+        pairs.append(("acceptance", "vs_acceptance"))
+    return pairs
 
 
 def summarize(runs: list[dict], configs: list[str], workloads: list[str], concurrencies: list[int]) -> tuple[dict, str]:
@@ -246,36 +267,45 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
         for c in concurrencies:
             rows, key = [], f"{w}-B{c}"
             summary[key] = {}
+            best = best_fixed(runs, w, c)
+            by_round = lambda config: {r["round"]: r for r in runs  # noqa: E731
+                                       if (r["workload"], r["concurrency"], r["config"]) == (w, c, config)}
             for config in configs:
-                mine = [r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (w, c, config)]
+                mine = list(by_round(config).values())
                 if not mine:
                     continue
-                stock = {r["round"]: r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (w, c, "stock")}
                 entry = {}
                 for name, value in (("tok_s", lambda r: r["output_throughput"]),
                                     ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
                                     ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0)):
-                    vals = [value(r) for r in mine]
-                    entry[name] = _spread(vals)
-                    ratios = [value(r) / value(stock[r["round"]]) for r in mine if r["round"] in stock]
-                    if ratios and config != "stock":
-                        entry[name]["vs_stock"] = _spread(ratios)
+                    entry[name] = _spread([value(r) for r in mine])
+                    for base, label in comparisons(config, best):
+                        others = by_round(base)
+                        ratios = [value(r) / value(others[r["round"]]) for r in mine if r["round"] in others]
+                        if ratios:
+                            entry[name][label] = _spread(ratios)
                 specs = [r["speculative"] for r in mine if r["speculative"].get("rows")]
-                for name in ("committed_per_verify", "verified_per_committed", "mean_width", "drafted_per_row_step"):
+                for name in ("accepted_per_verify", "committed_per_verify", "verified_per_committed", "mean_width",
+                             "drafted_per_row_step"):
                     if specs:
                         entry[name] = _spread([s[name] for s in specs])
                 shares = [r["plugin_time"]["mean_share"] for r in mine if r.get("plugin_time", {}).get("steps")]
                 if shares:
                     entry["plugin_share"] = _spread(shares)
+                entry["pruning_min_context"] = [r.get("pruning_min_context") for r in mine]
                 summary[key][config] = entry
-                rows.append([config, len(mine), _cell(entry["tok_s"]), _cell(entry["decode_tok_s"]),
-                             _cell(entry["p50_e2e_s"]), _plain(entry.get("committed_per_verify")),
+                name = config + (" (best fixed)" if config == best else "")
+                rows.append([name, len(mine), _cell(entry["tok_s"]), _cell(entry["decode_tok_s"]),
+                             _cell(entry["p50_e2e_s"]), _plain(entry.get("accepted_per_verify")),
                              _plain(entry.get("verified_per_committed")), _plain(entry.get("mean_width")),
                              _plain(entry.get("plugin_share"), 100)])
+            summary[key]["best_fixed"] = best
             text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
-                ["config", "rounds", "out tok/s (x stock)", "decode tok/s per request (x stock)", "p50 E2E s",
-                 "tokens per verify", "verified per committed", "width", "plugin % of step"], rows))
-    return summary, "\n\n".join(text)
+                ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s",
+                 "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
+    legend = ("Cells: median (min-max) over rounds; then, per round, x stock, x the best fixed length, x acceptance "
+              "(for the rules).")
+    return summary, legend + "\n\n" + "\n\n".join(text)
 
 
 def _spread(vals: list[float]) -> dict:
@@ -284,8 +314,11 @@ def _spread(vals: list[float]) -> dict:
 
 def _cell(e: dict) -> str:
     s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
-    r = e.get("vs_stock")
-    return s + (f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "")
+    for label in ("vs_stock", "vs_best_fixed", "vs_acceptance"):
+        r = e.get(label)
+        if r:
+            s += f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+    return s
 
 
 def _plain(e, scale: float = 1.0) -> str:

@@ -172,7 +172,8 @@ class SpeculativeConfig(_Section):
         "speculation); not a setting of its own")
     draft: Literal["fixed", "matched", "acceptance", "entropy"] = Field(
         "entropy", description="verify width per step: fixed (SGLang's maximum), matched (what the trie offers), "
-        "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H))")
+        "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H) and the "
+        "request's own draft hit rate)")
 
 
 class EntropicConfig(_Section):

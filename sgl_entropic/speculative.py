@@ -13,12 +13,14 @@ t0 + t_row * rows + t_draft * rows * (W - 1) and commits, per row, its bonus tok
 * ``acceptance``: SGLang's adaptive rule (`adaptive_spec_params.AdaptiveStepSlot`) on NGRAM: an EMA of the
   accepted drafts per row and step, W - 1 = round(EMA) + 1 (probe one beyond what was accepted);
 * ``entropy``: the W that maximises the expected committed tokens per second,
-  sum_rows E_r(W) / T(rows, W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j and a_r = exp(-H_r).
-  H_r is the mean entropy of the tokens row r committed in its last step, and exp(-H) is a lower bound on
-  the probability of the model's most likely token (Shannon entropy >= min-entropy): where the drafts copy
-  what the model would say, each of them is accepted with at least that chance. T is a least-squares fit
-  of this server's own verify steps, a fixed part, a part per row and a part per draft (`StepTimes`).
-  Nothing in the rule is tuned to a prompt.
+  sum_rows E_r(W) / T(rows, W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j, a_r = min(exp(-H_r), q_r).
+  exp(-H_r) is a lower bound on the probability of the model's most likely token (Shannon entropy >=
+  min-entropy), H_r the mean entropy of the tokens row r committed in its last step: where the drafts copy
+  what the model would say, each is accepted with at least that chance. q_r, the request's own rate of
+  accepted drafts (`DraftHits`), caps it where they do not (open chat: a sure model, a trie guessing wrong).
+  Where the model is unsure its drafts are short or none, whatever the trie offers. T is a least-squares fit of this
+  server's own verify steps, a fixed part, a part per row and a part per draft (`StepTimes`). Nothing in the
+  rule is tuned to a prompt.
 
 Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
 drafts (a shorter row would cost the same padded slots).
@@ -47,6 +49,8 @@ Rule = Literal["fixed", "matched", "acceptance", "entropy"]
 RULES: tuple[str, ...] = ("fixed", "matched", "acceptance", "entropy")
 # SGLang's adaptive slot: EMA weight of a new observation (AdaptiveStepSlot.ema_alpha).
 ACCEPTANCE_EMA_ALPHA = 0.2
+# A request's draft record (DraftHits) keeps this much of itself per verify step: about its last five steps.
+HITS_DECAY = 0.8
 
 
 def offered_drafts(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -78,13 +82,16 @@ class StepTimes:
     steps weighted most (`decay` per step: a changing machine is followed).
 
     A row costs its prefix's attention whatever its width, a draft only its own token: one slope for both made a
-    long context's rows look like expensive drafts. A small ridge pulls what the steps cannot tell apart toward
-    0; on t_draft that is optimism, so a rule that stopped drafting learns the price of a draft again by
-    drafting (an unmeasured draft looks free).
+    long context's rows look like expensive drafts. Ridge terms pull t_row and t_draft toward 0 (the prior: a
+    draft is free until the steps show its price). On t_draft the pull is strong, `draft_ridge` step-weights of
+    one row-draft: a batch of one, where a draft costs about 1 % of a step, measures its price below the steps'
+    noise and must not stop drafting on noise; a batch of eight measures it over eight times the spread and
+    outweighs the prior. A rule that stopped drafting learns the price again by drafting.
     """
 
     decay: float = 0.98
-    ridge: float = 1e-3
+    row_ridge: float = 1e-3
+    draft_ridge: float = 4.0
     xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _fit: Optional[tuple[float, float, float]] = None  # solved once per observation
@@ -101,7 +108,7 @@ class StepTimes:
             w = self.xtx[0, 0]
             if w == 0:
                 return 0.0, 0.0, 0.0
-            penalty = self.ridge * w * np.diag([0.0, 1.0, 1.0])
+            penalty = w * np.diag([0.0, self.row_ridge, self.draft_ridge])
             t0, t_row, t_draft = np.linalg.solve(self.xtx + penalty, self.xty)
             self._fit = max(float(t0), 0.0), max(float(t_row), 0.0), max(float(t_draft), 0.0)
         return self._fit
@@ -111,11 +118,37 @@ class StepTimes:
         return t0 + t_row * rows + t_draft * rows * (widths - 1)
 
 
-def entropy_width(offers: Sequence[int], entropies: Sequence[Optional[float]], times: StepTimes) -> int:
+@dataclass
+class DraftHits:
+    """A request's verified drafts: every draft position verification tried is a trial (a row's run ends at its
+    first rejection; positions past it are not tried), decayed per step so that the rate follows the text."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.hits = HITS_DECAY * self.hits + accepted
+            self.trials = HITS_DECAY * self.trials + accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        """Accepted per tried, one hit assumed: optimistic (1 before any draft was tried), so that short drafts,
+        which try little, do not keep the rate low by themselves; a few misses bring it down."""
+        return (self.hits + 1.0) / (self.trials + 1.0)
+
+
+def draft_acceptance(entropy: Optional[float], hits: DraftHits) -> float:
+    """a_r = min(exp(-H_r), q_r) (module docstring); a row with no measured entropy yet counts as sure."""
+    sure = 1.0 if entropy is None or not math.isfinite(entropy) else math.exp(-max(entropy, 0.0))
+    return min(sure, hits.rate)
+
+
+def entropy_width(offers: Sequence[int], acceptance: Sequence[float], times: StepTimes) -> int:
     """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows, W) (ties: the narrower), with
-    E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r = exp(-H_r) (a row not measured yet: 1)."""
+    E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`)."""
     rows = len(offers)
-    acceptance = np.array([1.0 if h is None or not math.isfinite(h) else math.exp(-max(h, 0.0)) for h in entropies])
+    acceptance = np.asarray(acceptance, dtype=float)
     depth = np.arange(1 + max(offers, default=0))[:, None]  # a width W verifies depths 0 .. W - 1
     terms = np.where(depth <= np.asarray(offers)[None, :], acceptance[None, :] ** depth, 0.0)  # [widths, rows]
     committed = terms.cumsum(0).sum(1)
@@ -134,8 +167,9 @@ class DraftSizer:
     times: StepTimes
     accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
 
-    def width(self, offers: Sequence[int], entropies: Sequence[Optional[float]]) -> int:
-        """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers."""
+    def width(self, offers: Sequence[int], acceptance: Sequence[float]) -> int:
+        """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers, `acceptance`
+        each row's expected chance per draft (the entropy rule's a_r)."""
         most = 1 + max(offers, default=0)
         if self.rule == "fixed":
             return self.max_width
@@ -144,7 +178,7 @@ class DraftSizer:
         if self.rule == "acceptance":
             ema = self.max_width - 2 if self.accepted_ema is None else self.accepted_ema  # SGLang: steps - 1
             return min(most, self.max_width, 2 + round(max(ema, 0.0)))
-        return min(entropy_width(offers, entropies, self.times), self.max_width)
+        return min(entropy_width(offers, acceptance, self.times), self.max_width)
 
     def observe(self, width: int, rows: int, seconds: float, accepted: Sequence[int]) -> None:
         """A verify step's outcome: its time (the fit) and the drafts each row accepted (the EMA)."""

@@ -13,8 +13,8 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (DraftSizer, StepTimes, entropy_width, offered_drafts,
-                                      tree_depths, tree_parents, tree_temperatures)
+from sgl_entropic.speculative import (DraftHits, DraftSizer, StepTimes, draft_acceptance, entropy_width,
+                                      offered_drafts, tree_depths, tree_parents, tree_temperatures)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
 
@@ -146,12 +146,15 @@ def test_the_padding_of_a_short_trie_match_is_not_a_draft():
 
 
 def test_step_times_recover_the_fixed_the_per_row_and_the_per_draft_cost():
-    times = StepTimes()
-    for rows, width in [(1, 1), (4, 3), (8, 1), (2, 6), (8, 5), (3, 2)] * 5:
-        times.observe(rows, width, 0.05 + 0.02 * rows + 0.004 * rows * (width - 1))
-    t0, t_row, t_draft = times.fit()
-    assert (t0, t_row, t_draft) == (pytest.approx(0.05, rel=1e-2), pytest.approx(0.02, rel=1e-2),
-                                    pytest.approx(0.004, rel=1e-2))
+    steps = [(1, 1), (4, 3), (8, 1), (2, 6), (8, 5), (3, 2)] * 5
+    unpulled, pulled = StepTimes(draft_ridge=0.0), StepTimes()
+    for times in (unpulled, pulled):
+        for rows, width in steps:
+            times.observe(rows, width, 0.05 + 0.02 * rows + 0.004 * rows * (width - 1))
+    assert unpulled.fit() == (pytest.approx(0.05, rel=1e-2), pytest.approx(0.02, rel=1e-2),
+                              pytest.approx(0.004, rel=1e-2))
+    # the prior's pull on a draft's price, against steps that spread over 0-32 row-drafts: a few per cent
+    assert pulled.fit()[2] == pytest.approx(0.004, rel=0.05) and pulled.fit()[2] < 0.004
 
 
 def test_a_draft_the_steps_never_priced_looks_free_so_the_rule_drafts_again():
@@ -162,49 +165,69 @@ def test_a_draft_the_steps_never_priced_looks_free_so_the_rule_drafts_again():
         times.observe(rows, 1, 0.05 + 0.03 * rows)
     t0, t_row, t_draft = times.fit()
     assert t_row == pytest.approx(0.03, rel=1e-2) and t_draft == pytest.approx(0.0, abs=1e-4)
-    assert entropy_width([5, 5], [0.5, 0.5], times) > 1
+    assert entropy_width([5, 5], [0.6, 0.6], times) > 1
 
 
 def fitted(t0: float, t_draft: float) -> StepTimes:
-    """Steps of one row at widths 1 and 10."""
-    times = StepTimes()
+    """Steps of one row at widths 1 and 10, fitted exactly (no prior)."""
+    times = StepTimes(draft_ridge=0.0)
     for width in (1, 10, 1, 10):
         times.observe(1, width, t0 + t_draft * (width - 1))
     return times
 
 
+def sure_and_right(entropy: float, hits: float = 50.0, misses: float = 0.0) -> float:
+    """a_r of a request whose tokens had `entropy` and whose drafts were right `hits` times, wrong `misses`."""
+    return draft_acceptance(entropy, DraftHits(hits=hits, trials=hits + misses))
+
+
 def test_the_entropy_rule_drafts_long_when_the_model_is_sure_and_not_at_all_when_it_is_not():
     costly = fitted(0.1, 0.01)  # a verified token costs 10 % of a step
-    assert entropy_width([7], [0.02], costly) == 8  # sure: every draft the match offers
-    assert entropy_width([7], [4.0], costly) == 1  # unsure: exp(-4) = 0.018 < 0.1, no drafts
-    middle = entropy_width([7], [0.7], costly)
+    assert entropy_width([7], [sure_and_right(0.02)], costly) == 8  # sure: every draft the match offers
+    assert entropy_width([7], [sure_and_right(4.0)], costly) == 1  # unsure: exp(-4) = 0.018 < 0.1, no drafts
+    middle = entropy_width([7], [sure_and_right(0.7)], costly)
     assert 1 < middle < 8
     # the width maximises the expected tokens per second, by brute force over the widths
-    a = math.exp(-0.7)
+    a = math.exp(-0.7)  # below the hit rate, 51 / 51
     best = max(range(1, 9), key=lambda w: sum(a ** j for j in range(w)) / (0.1 + 0.01 * (w - 1)))
     assert middle == best
     # free verification (no evidence of a per-token cost yet): as wide as the matches go
-    assert entropy_width([3, 5], [3.0, 3.0], StepTimes()) == 6
+    assert entropy_width([3, 5], [sure_and_right(3.0)] * 2, StepTimes()) == 6
     # a batch: the rows' expected tokens share one step's cost
-    assert entropy_width([7, 7], [0.02, 6.0], costly) > entropy_width([7, 7], [6.0, 6.0], costly)
+    assert entropy_width([7, 7], [sure_and_right(0.02), sure_and_right(6.0)], costly) > \
+        entropy_width([7, 7], [sure_and_right(6.0)] * 2, costly)
+
+
+def test_a_sure_model_whose_drafts_keep_missing_stops_drafting():
+    """Open chat: the model is sure of its next token, but the trie's guesses are not it."""
+    costly = fitted(0.1, 0.01)
+    assert entropy_width([7], [sure_and_right(0.1, hits=0, misses=20)], costly) == 1
+    hits = DraftHits()
+    assert hits.rate == 1.0  # no evidence yet: as sure as the model
+    for _ in range(30):
+        hits.observe(drafted=4, accepted=0)  # one trial a step: the run ends at its first draft
+    assert hits.rate < 0.2
+    for _ in range(30):
+        hits.observe(drafted=4, accepted=4)  # a copy: every draft tried and right
+    assert hits.rate > 0.9
 
 
 def test_each_rule_caps_at_the_server_maximum_and_the_matches():
     for rule in ("matched", "acceptance", "entropy"):
         sizer = DraftSizer(rule, 6, StepTimes())
-        assert sizer.width([2, 1], [0.0, 0.0]) <= 3
-        assert sizer.width([9, 9], [0.0, 0.0]) <= 6
-    assert DraftSizer("fixed", 6, StepTimes()).width([0, 0], [0.0, 0.0]) == 6  # SGLang's: always the maximum
-    assert DraftSizer("matched", 6, StepTimes()).width([2, 4], [None, None]) == 5
+        assert sizer.width([2, 1], [1.0, 1.0]) <= 3
+        assert sizer.width([9, 9], [1.0, 1.0]) <= 6
+    assert DraftSizer("fixed", 6, StepTimes()).width([0, 0], [1.0, 1.0]) == 6  # SGLang's: always the maximum
+    assert DraftSizer("matched", 6, StepTimes()).width([2, 4], [0.0, 0.0]) == 5
 
 
 def test_the_acceptance_rule_is_sglang_s_adaptive_formula():
     sizer = DraftSizer("acceptance", 12, StepTimes())
-    assert sizer.width([11], [None]) == 12  # SGLang starts its EMA at steps - 1: the maximum
+    assert sizer.width([11], [1.0]) == 12  # SGLang starts its EMA at steps - 1: the maximum
     for _ in range(40):
-        sizer.observe(sizer.width([11], [None]), 1, 0.1, [1])  # one draft accepted every step
+        sizer.observe(sizer.width([11], [1.0]), 1, 0.1, [1])  # one draft accepted every step
     assert sizer.accepted_ema == pytest.approx(1.0, abs=1e-3)
-    assert sizer.width([11], [None]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
+    assert sizer.width([11], [1.0]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
 
 
 def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():

@@ -19,6 +19,7 @@ from sgl_entropic.costs import ModelDims
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
 from sgl_entropic.signal import EntropyTrace
+from sgl_entropic.speculative import DraftHits
 
 if TYPE_CHECKING:
     from sgl_entropic.plugin.metrics import EntropicMetrics
@@ -39,6 +40,7 @@ class RequestState:
     decode_skips: int = 0  # consecutive decode steps this running request is parked (decode budget)
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
     last_step_entropy: Optional[float] = None  # mean entropy of the tokens its last step committed (draft sizing)
+    drafts: DraftHits = field(default_factory=DraftHits)  # its verified drafts (draft sizing)
 
 
 @dataclass

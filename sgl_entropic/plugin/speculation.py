@@ -31,7 +31,8 @@ from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, 
                                                to_device)
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
-from sgl_entropic.speculative import DraftSizer, StepTimes, offered_drafts, tree_parents, tree_temperatures
+from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, offered_drafts, tree_parents,
+                                      tree_temperatures)
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -100,8 +101,9 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = offered_drafts(drafts, mask).tolist()
-    entropies = [getattr(getattr(r, "entropic", None), "last_step_entropy", None) for r in batch.reqs]
-    width = spec.sizer.width(offers, entropies)
+    states = [getattr(r, "entropic", None) for r in batch.reqs]
+    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts) for s in states]
+    width = spec.sizer.width(offers, acceptance)
     drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
     parents = torch.from_numpy(tree_parents(mask.numpy()))
@@ -342,6 +344,7 @@ class VerifyRecord:
                 state.controller.temperature = used_t[i][n - 1]
                 state.controller.steps_done += n
             state.last_step_entropy = sum(measured) / len(measured) if measured else None
+            state.drafts.observe(drafted[i], accepted[-1])
         self.tally.report(rt)
         spec.sizer.observe(step.width, len(accepted), step.seconds, accepted)
         spec.steps += 1
