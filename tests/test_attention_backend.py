@@ -10,90 +10,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_entropic.config import EntropicConfig, PruningConfig
+from sgl_entropic.config import EntropicConfig
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
 from sgl_entropic.plugin.page_store import PageStore
-from sgl_entropic.plugin.sampling_step import BatchRows
 from sgl_entropic.pruning import num_pages, row_pages, sparse_decode_attention
-from sgl_entropic.signal import EntropyTrace
 
 pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-HEADS_Q, HEADS_KV, DIM, LAYERS, P = 6, 2, 16, 3, 16
-POOL_PAGES, REQ_SLOTS, MAX_CONTEXT = 512, 8, 2048
-CFG = PruningConfig(min_context=64, page_size=P, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.3,
-                    max_keep_ratio=0.3)
-
-
-class _KVPool:
-    def __init__(self, gen):
-        slots = POOL_PAGES * P
-        self.k = [torch.randn(slots, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
-        self.v = [torch.randn(slots, HEADS_KV, DIM, generator=gen) for _ in range(LAYERS)]
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
-
-
-def _layer(layer_id):
-    return SimpleNamespace(layer_id=layer_id, tp_q_head_num=HEADS_Q, tp_k_head_num=HEADS_KV, qk_head_dim=DIM,
-                           v_head_dim=DIM, scaling=1 / math.sqrt(DIM), is_cross_attention=False,
-                           sliding_window_size=-1)
-
-
-def _stub_runner(gen=None, tp_size=1):
-    pool = _KVPool(gen or torch.Generator().manual_seed(0))
-    pool.size = POOL_PAGES * P
-    return SimpleNamespace(
-        device="cpu", page_size=P, server_args=SimpleNamespace(tp_size=tp_size), token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
-        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q * tp_size,
-                                     context_len=MAX_CONTEXT),
-    )
-
-
-def _setup(cfg, context_lens, entropies=None, seed=0, tp_size=1):
-    """Requests on scattered physical pages (a fragmented pool), their prompts' keys in the store."""
-    gen = torch.Generator().manual_seed(seed)
-    runner = _stub_runner(gen, tp_size)
-    backend = EntropicTorchNativeAttnBackend(runner, cfg)
-    table = runner.req_to_token_pool.req_to_token
-    pages = torch.randperm(POOL_PAGES, generator=gen)
-    used = 0
-    req_slots = list(range(1, len(context_lens) + 1))
-    for slot, n in zip(req_slots, context_lens):
-        own = pages[used : used + num_pages(n, P)]
-        used += own.numel()
-        table[slot, :n] = (own[:, None] * P + torch.arange(P)).flatten()[:n].int()
-        locs = table[slot, :n].long()
-        for layer in range(LAYERS):  # the prompt's keys, written in two chunks as a chunked prefill would
-            half = n // 2
-            backend.planner.store.write_keys(layer, locs[:half], runner.token_to_kv_pool.k[layer][locs[:half]])
-            backend.planner.store.write_keys(layer, locs[half:], runner.token_to_kv_pool.k[layer][locs[half:]])
-    lens = torch.tensor(context_lens)
-    idx = torch.tensor(req_slots)
-    states = [SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i)
-              for i, h in enumerate(entropies or [1.0] * len(context_lens))]
-    batch = SimpleNamespace(
-        forward_mode=ForwardMode.DECODE, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens,
-        out_cache_loc=table[idx, lens - 1].long(), encoder_lens=None, spec_info=None,
-    )
-    # the rows of the batch being run, as the ForwardBatch.init_new hook leaves them
-    batch.rows = runtime.install(EntropicConfig()).rows = BatchRows.of(
-        [SimpleNamespace(entropic=s) for s in states], [True] * len(states))
-    q = torch.randn(len(context_lens), HEADS_Q * DIM, generator=gen)
-    return runner, backend, batch, q, states
+from tests.backend_stubs import (CFG, DIM, HEADS_KV, HEADS_Q, LAYERS, MAX_CONTEXT, P, setup,  # noqa: E402
+                                 stub_layer, stub_runner)
 
 
 def _decode(backend, batch, q, layer_id):
     backend.init_forward_metadata(batch)
-    return backend.forward_decode(q, None, None, _layer(layer_id), batch, save_kv_cache=False)
+    return backend.forward_decode(q, None, None, stub_layer(layer_id), batch, save_kv_cache=False)
 
 
 def _true_bound(q_row, keys):
@@ -112,7 +44,7 @@ def _true_bound(q_row, keys):
 
 
 def test_store_min_max_are_the_pages_keys_and_bound_the_true_logits():
-    runner, backend, batch, q, _ = _setup(CFG, [700, 300])
+    runner, backend, batch, q, _ = setup(CFG, [700, 300])
     store, table = backend.planner.store, runner.req_to_token_pool.req_to_token
     for r, n in enumerate([700, 300]):
         for page in range(num_pages(n, P)):
@@ -171,7 +103,7 @@ def _expected(q_row, keys, values, counts, cfg, group_heads):
 def test_sparse_decode_attends_exactly_the_pages_its_selection_names(shortlist, per_head):
     cfg = CFG.model_copy(update={"shortlist_ratio": shortlist, "per_head": per_head})
     context_lens = [700, 300, 1000, 129]
-    runner, backend, batch, q, states = _setup(cfg, context_lens)
+    runner, backend, batch, q, states = setup(cfg, context_lens)
     out = _decode(backend, batch, q, layer_id=1).view(len(context_lens), HEADS_Q, DIM)
     table = runner.req_to_token_pool.req_to_token
     for r, n in enumerate(context_lens):
@@ -188,36 +120,36 @@ def test_sparse_decode_attends_exactly_the_pages_its_selection_names(shortlist, 
 def test_without_the_dense_kernel_a_step_that_prunes_nothing_is_stock_torch_native():
     everything = CFG.model_copy(update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0,
                                         "min_context": 0})
-    runner, backend, batch, q, _ = _setup(everything, [700, 300, 1000])
+    runner, backend, batch, q, _ = setup(everything, [700, 300, 1000])
     backend.probe.dense_kernel_from = None
     out = _decode(backend, batch, q, layer_id=2)
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    assert torch.equal(out, stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False))
+    assert torch.equal(out, stock.forward_decode(q, None, None, stub_layer(2), batch, save_kv_cache=False))
     assert backend.plan is None and batch.rows.attended is None
 
 
 def test_the_dense_kernel_attends_every_page_as_sglang_does():
     """Where the probe timed it faster, a step that prunes nothing runs our batched kernel over every
     page: the same attention as SGLang's per-request loop, to float32 rounding."""
-    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300, 1000])
+    runner, backend, batch, q, _ = setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300, 1000])
     backend.probe.dense_kernel_from = 500  # rows of 700 and 1000 tokens: the batch's longest decides
     out = _decode(backend, batch, q, layer_id=2)
     assert backend.plan is not None and not backend.plan.keep_valid.shape[1]  # every page fixed, none selected
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    want = stock.forward_decode(q, None, None, _layer(2), batch, save_kv_cache=False)
+    want = stock.forward_decode(q, None, None, stub_layer(2), batch, save_kv_cache=False)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert batch.rows.attended is None  # every token read: the trace's default 1.0
 
 
 def test_rows_below_min_context_keep_every_page_in_a_pruned_step():
     cfg = CFG.model_copy(update={"min_context": 500})
-    runner, backend, batch, q, _ = _setup(cfg, [1000, 300])
+    runner, backend, batch, q, _ = setup(cfg, [1000, 300])
     out = _decode(backend, batch, q, layer_id=0)
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    dense = stock.forward_decode(q, None, None, _layer(0), batch, save_kv_cache=False)
+    dense = stock.forward_decode(q, None, None, stub_layer(0), batch, save_kv_cache=False)
     assert backend.plan is not None and backend.plan.keep_valid.shape[1]
     torch.testing.assert_close(out[1], dense[1], rtol=1e-5, atol=1e-5)  # the short row: all of its pages
     assert not torch.allclose(out[0], dense[0])
@@ -225,18 +157,18 @@ def test_rows_below_min_context_keep_every_page_in_a_pruned_step():
 
 def test_dense_layers_attend_everything():
     cfg = CFG.model_copy(update={"dense_layers": 1})
-    runner, backend, batch, q, _ = _setup(cfg, [700, 900])
+    runner, backend, batch, q, _ = setup(cfg, [700, 900])
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    torch.testing.assert_close(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, _layer(0), batch, False),
+    torch.testing.assert_close(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, stub_layer(0), batch, False),
                                rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(_decode(backend, batch, q, 1), stock.forward_decode(q, None, None, _layer(1), batch, False))
+    assert not torch.allclose(_decode(backend, batch, q, 1), stock.forward_decode(q, None, None, stub_layer(1), batch, False))
     assert all(f > 0.3 for f in batch.rows.attended)
 
 
 def test_the_entropy_sets_the_budget():
     cfg = CFG.model_copy(update={"min_keep_ratio": 0.2, "max_keep_ratio": 0.8, "shortlist_ratio": 0.9})
-    _, backend, batch, q, _ = _setup(cfg, [1000, 1000], entropies=[0.0, 20.0])
+    _, backend, batch, q, _ = setup(cfg, [1000, 1000], entropies=[0.0, 20.0])
     _decode(backend, batch, q, 1)
     confident, uncertain = backend.plan.rows
     assert confident.keep == math.ceil(0.2 * confident.candidates) and uncertain.keep == uncertain.candidates * 8 // 10
@@ -244,7 +176,7 @@ def test_the_entropy_sets_the_budget():
 
 def test_surprisal_selector_keeps_unscored_pages():
     cfg = CFG.model_copy(update={"selector": "surprisal"})
-    runner, backend, batch, q, _ = _setup(cfg, [800])
+    runner, backend, batch, q, _ = setup(cfg, [800])
     slots = runner.req_to_token_pool.req_to_token[1, :800].long()
     store = backend.planner.store
     store.slot_surprisal[slots] = 0.0
@@ -287,25 +219,25 @@ def test_a_pruned_step_does_not_read_the_device(update):
     used are SGLang's own host copies (seq_lens_cpu) and the entropies the sampling step fetched."""
     from tests.stepping import HostReads
 
-    runner, backend, batch, q, _ = _setup(CFG.model_copy(update=update), [700, 300, 1000, 129])
+    runner, backend, batch, q, _ = setup(CFG.model_copy(update=update), [700, 300, 1000, 129])
     with HostReads(host=[batch.seq_lens_cpu]) as mode:
         for step in range(2):
             backend.init_forward_metadata(batch)
             for layer in range(LAYERS):
-                backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
+                backend.forward_decode(q, None, None, stub_layer(layer), batch, save_kv_cache=False)
     assert backend.plan is not None and mode.reads == [], mode.reads
 
 
 def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
     """Below the crossover a decode step folds no keys (no per-layer work); the first step that
     prunes folds every deferred slot first, so its bounds cover every key written."""
-    runner, backend, batch, q, _ = _setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300])
+    runner, backend, batch, q, _ = setup(CFG.model_copy(update={"min_context": 10**6}), [700, 300])
     store, pool, pages = backend.planner.store, runner.token_to_kv_pool, batch.out_cache_loc // P
     for layer in range(LAYERS):
         pool.k[layer][batch.out_cache_loc] = 50.0  # the decode token's key, above every prompt key
     backend.init_forward_metadata(batch)
     for layer in range(LAYERS):
-        backend.forward_decode(q, None, None, _layer(layer), batch, save_kv_cache=False)
+        backend.forward_decode(q, None, None, stub_layer(layer), batch, save_kv_cache=False)
     assert backend.plan is None and (store.kmax[:, pages] < 50.0).all()
     backend.planner.cfg = CFG  # from here on the batch prunes
     backend.init_forward_metadata(batch)
@@ -316,7 +248,7 @@ def test_without_min_context_the_backend_times_where_its_kernels_pay():
     """min_context unset: at start-up the backend times SGLang's dense loop, our kernel over every page
     and the pruned path; our kernel serves steps that do not prune from the shortest timed context past
     which it wins by 10 % at every longer one, and pruning starts where it beats the better dense path."""
-    backend = EntropicTorchNativeAttnBackend(_stub_runner(), CFG.model_copy(update={"min_context": None}))
+    backend = EntropicTorchNativeAttnBackend(stub_runner(), CFG.model_copy(update={"min_context": None}))
     probe = backend.probe
     assert probe.check.ok
     assert [t.context for t in probe.timings] == [t.context for t in probe.kernel_timings] == [256, 512, 1024, 1536,
@@ -339,12 +271,12 @@ def test_a_broken_kernel_turns_pruning_off_at_start_up(monkeypatch, caplog):
     good = attention.attend_layer
     monkeypatch.setattr(attention, "attend_layer", lambda *a: (lambda out, kept: (out * 1.02, kept))(*good(*a)))
     rt = runtime.install(EntropicConfig(mode="pruning", pruning=CFG.model_dump()))
-    backend = attention.create_backend(_stub_runner())
+    backend = attention.create_backend(stub_runner())
     assert not backend.probe.check.ok and "differs from exact attention" in backend.probe.check.error
     assert "pruning is OFF" in caplog.text
     section = server_info.after_get_init_info({}, None)["entropic"]["pruning"]
     assert section["self_check"]["ok"] is False and section["page_store_bytes"] == backend.planner.store.nbytes > 0
-    _, _, batch, _, _ = _setup(CFG, [1000, 700])
+    _, _, batch, _, _ = setup(CFG, [1000, 700])
     backend.init_forward_metadata(batch)
     assert backend.plan is None  # the 1000-token row would prune: now it attends densely
     assert rt.pruning_from == backend.planner.cfg.min_context > 1000

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import COMMON_ARGS, start_server, stop_server
-from tests.test_reliability import CHAT
+from tests.load_client import CHAT
 
 pytestmark = pytest.mark.server
 

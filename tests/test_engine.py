@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_programs import assert_join_chose_the_lowest_mean_surprisal
+from tests.program_checks import assert_join_chose_the_lowest_mean_surprisal
 
 pytestmark = pytest.mark.server
 

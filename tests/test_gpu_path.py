@@ -5,12 +5,17 @@ the page store are refused, and the page store is paid for out of the KV pool's 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from sgl_entropic.config import KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
 from sgl_entropic.engine import _engine_kwargs
-from sgl_entropic.launch_server import refuse_unsafe_kv_paths, select_attention_backend
+from sgl_entropic.launch_server import refuse_unsafe_kv_paths
 from sgl_entropic.plugin import page_store, runtime
 
 
@@ -19,14 +24,36 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-@pytest.mark.parametrize("mode", ["pruning", "full"])
-def test_the_launcher_and_the_engine_keep_cuda_graphs(mode):
-    config = EntropicConfig(mode=mode)
-    argv = select_attention_backend(["--model-path", "m"], config, _Parser())
-    assert "--disable-cuda-graph" not in argv
-    assert argv[-4:] == ["--attention-backend", "entropic", "--page-size", "16"]
-    kwargs = _engine_kwargs(config, {"model_path": "m", "device": "cuda"})
-    assert "disable_cuda_graph" not in kwargs and kwargs["attention_backend"] == "entropic"
+# One process: SGLang's own parser turns the launcher's and the Engine's arguments into the ServerArgs a CUDA server
+# would run with (its run_server replaced by a capture), for the default mode, which prunes.
+_SERVER_ARGS_ON_CUDA = r"""
+import json, sys
+import sglang.launch_server
+import sglang.srt.utils
+from sglang.srt.server_args import ServerArgs
+from sgl_entropic import launch_server
+from sgl_entropic.config import EntropicConfig
+from sgl_entropic.engine import _engine_kwargs
+from sgl_entropic.model import bundled_model_path
+
+seen = {}
+sglang.launch_server.run_server = lambda args: seen.setdefault("launcher", args)
+sglang.srt.utils.kill_process_tree = lambda *a, **k: None
+model = str(bundled_model_path())
+launch_server.main(["--model-path", model, "--device", "cuda"])
+engine = ServerArgs(**_engine_kwargs(EntropicConfig(mode="full"), {"model_path": model, "device": "cuda"}))
+print(json.dumps({name: {k: getattr(a, k) for k in ("disable_cuda_graph", "attention_backend", "page_size")}
+                  for name, a in (("launcher", seen["launcher"]), ("engine", engine))}))
+"""
+
+
+def test_the_launcher_and_the_engine_keep_cuda_graphs(model_path):
+    proc = subprocess.run([sys.executable, "-c", _SERVER_ARGS_ON_CUDA], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    received = json.loads(proc.stdout.strip().splitlines()[-1])
+    for who in ("launcher", "engine"):
+        assert received[who] == {"disable_cuda_graph": False, "attention_backend": "entropic", "page_size": 16}, who
 
 
 @pytest.mark.parametrize("field", sorted(KV_PATHS_PRUNING_CANNOT_SEE))
@@ -49,13 +76,21 @@ def test_pd_disaggregation_is_refused_with_pruning():
 
 
 def test_the_page_store_comes_out_of_the_kv_pools_budget():
-    """A budget B sizes a pool of B / (1 + 1/page_size) bytes: pool plus store fit in B."""
+    """The pool SGLang sizes from what the budget leaves, plus a real page store over that pool, fit the budget."""
+    layers, heads, dim, page = 30, 3, 64, 16
+    kv_bytes_per_token = 2 * layers * heads * dim * 4  # K and V, fp32
+    budget = 1000 * page * kv_bytes_per_token
     runtime.install(EntropicConfig(mode="pruning"))
     seen = []
-    page_store.around_config_from_budget(lambda conf, budget, **kw: seen.append((budget, kw)), None, 17_000,
+    page_store.around_config_from_budget(lambda conf, pool_budget, **kw: seen.append((pool_budget, kw)), None, budget,
                                          cap_tokens=5)
-    assert seen == [(16_000, {"cap_tokens": 5})]
-    assert 16_000 * (1 + page_store.store_share(16)) == 17_000
+    (pool_budget, passed), = seen
+    assert passed == {"cap_tokens": 5}  # SGLang's other arguments go through untouched
+    tokens = pool_budget // kv_bytes_per_token
+    store = page_store.PageStore(layers, tokens, page, heads, dim, torch.float32, "cpu", 4, with_surprisal=False)
+    scratch_row = 2 * layers * heads * dim * 4  # the store's one page row beyond the pool's pages (46 KB here)
+    assert tokens * kv_bytes_per_token + store.nbytes <= budget + scratch_row
+    assert tokens * kv_bytes_per_token + store.nbytes > 0.99 * budget  # and the pool keeps the rest
 
 
 # ---------------------------------------------------------------------------- the CUDA path, on a stub FlashInfer

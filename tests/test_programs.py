@@ -14,6 +14,7 @@ import pytest
 
 from programs import agent, chat, extract, fork_join
 from programs._backend import endpoint
+from tests.program_checks import assert_join_chose_the_lowest_mean_surprisal
 
 @pytest.fixture(scope="module")
 def backend(server):
@@ -89,15 +90,6 @@ def test_chat_reuses_the_shared_manual_and_each_conversation(backend, server, mo
             assert turn["cached_tokens"] >= whole_pages(previous["prompt_tokens"]), (previous, turn)
         else:  # a new user: at least the manual is cached
             assert turn["cached_tokens"] >= whole_pages(manual_tokens), turn
-
-
-def assert_join_chose_the_lowest_mean_surprisal(item: dict) -> None:
-    candidates = item["candidates"]
-    assert [c["target_entropy"] for c in candidates] == list(fork_join.TARGET_ENTROPIES)
-    for cand in candidates:
-        assert len(cand["entropy"]) == len(cand["surprisal"]) == cand["trace"]["tokens"] > 0
-    recomputed = [statistics.fmean(x for x in c["surprisal"] if x is not None) for c in candidates]
-    assert item["chosen"] == recomputed.index(min(recomputed))
 
 
 @pytest.mark.server

@@ -16,6 +16,8 @@ import torch
 from sgl_entropic.config import SERVER_ONLY, PruningConfig, SamplingConfig, SchedulingConfig, SpeculativeConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
 from sgl_entropic.signal import entropy_exact
+from tests.load_client import (CHAT, F32, load_spec, nothing_held, run_round, serves, states_after_flush,
+                                 wait_until_nothing_is_held)
 from tests.stepping import Stepper
 
 # ============================================================================ 3. numerical faults
@@ -23,11 +25,6 @@ from tests.stepping import Stepper
 # and mirostat act on the logits), then record() on the logits the sampler saw.
 
 V = 256
-
-
-def F32(x: float) -> float:
-    """x rounded to float32: the controller computes temperatures in float32."""
-    return torch.tensor(x, dtype=torch.float32).item()
 
 
 _stepper: Stepper | None = None
@@ -367,11 +364,11 @@ def test_a_bad_streaming_request_gets_an_error_event_naming_the_field(server):
 
 @pytest.mark.server
 def test_the_server_still_serves_after_the_bad_input_matrix(server):
-    assert _healthy(server)
+    assert serves(server)
     out = server.generate({"text": "Hi", "sampling_params": {"max_new_tokens": 4, "custom_params": {"entropic": {}}}})
     assert out["meta_info"]["completion_tokens"] == 4
     states = [s["entropic"] for s in server.get("/server_info").json()["internal_states"]]
-    assert all(_nothing_held(s) for s in states), states
+    assert all(nothing_held(s) for s in states), states
 
 
 def test_the_bad_input_matrix_covers_every_field_and_category():
@@ -498,9 +495,6 @@ def test_launcher_refuses_a_directory_as_config_file(tmp_path, capsys):
 
 # ============================================================================ 3. faults on the real server
 
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-
-
 def _generate(server, text, params, **extra):
     return server.generate({"text": text, "sampling_params": params, "return_entropy": True, **extra})
 
@@ -557,7 +551,7 @@ def test_a_logit_bias_that_would_overflow_is_http_400_not_a_scheduler_crash(serv
     _assert_refused(r, "logit_bias.29")
     ok = _generate(server, "Hi", {"logit_bias": {"29": 1e30}, "max_new_tokens": 2, "temperature": 0.5})
     assert ok["meta_info"]["completion_tokens"] == 2
-    assert _healthy(server)
+    assert serves(server)
 
 
 # ============================================================================ 4. no remote-code path
@@ -603,169 +597,10 @@ LOAD_ROUNDS = 2
 # 100 in flight at once per round: 200 requests in all, 50 of them aborted, ~30 s a round on an idle
 # 2-core machine. SGLANG_ENTROPIC_LOAD_PER_ROUND=200 puts 200 in flight at once.
 LOAD_PER_ROUND = int(os.environ.get("SGLANG_ENTROPIC_LOAD_PER_ROUND", "100"))
-T_MIN, T_MAX = 0.2, 1.8
-LONG_PROMPT = " ".join(f"Note {i}: the river bends past the old mill, under the stone bridge." for i in range(16))  # ~260 tokens
-JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 PLUGIN_FAULT_LINES = ("sgl-entropic: sampling step setup failed", "sgl-entropic: recording the sampling step failed",
                       "sgl-entropic: verification under the controller failed",
                       "sgl-entropic: recording the verify step failed",
                       "sgl-entropic: decode budget failed", "Scheduler hit an exception", "Traceback")
-
-
-def _load_spec(i: int, speculative: bool = False) -> dict:
-    """The i-th request of a round: every combination of the mix recurs (coprime periods). Under speculative
-    decoding Mirostat is refused (HTTP 400): its requests ask for the entropic controller instead."""
-    abort = i % 4 == 3
-    entropic = ("off", "controller", "controller" if speculative else "mirostat")[i % 3]
-    greedy = entropic == "off" and i % 5 == 0
-    json_mode = not abort and i % 8 == 2
-    params = {"max_new_tokens": 4 + (7 * i) % 9, "ignore_eos": not json_mode}
-    if abort:  # long enough that the client's close (after 1 or 2 events) always lands mid-generation
-        params.update(max_new_tokens=64, ignore_eos=True)
-    if json_mode:  # the server fixture allows no JSON whitespace, so any sampler must close the object
-        params.update(json_schema=json.dumps(JSON_SCHEMA), max_new_tokens=64)
-    if greedy:
-        params["temperature"] = 0
-    elif entropic == "controller":
-        params["custom_params"] = {"entropic": {"target_entropy": 1.0 + (i % 7) / 3, "t_min": T_MIN, "t_max": T_MAX, "t_init": 1.0}}
-    elif entropic == "mirostat":
-        params["custom_params"] = {"entropic": {"controller": "mirostat_v2", "tau": 2.0 + i % 3}}
-    else:
-        params["temperature"] = 0.8
-    question = f"Question {i}: describe item number {i} in one line."
-    text = CHAT.format((LONG_PROMPT + "\n" if i % 10 == 0 else "") + question)
-    return {
-        "i": i, "abort": abort, "stream": abort or i % 2 == 0, "entropic": entropic, "greedy": greedy,
-        "json": json_mode, "body": {"text": text, "sampling_params": params, "return_entropy": i % 2 == 1 or entropic != "off"},
-    }
-
-
-def _check_output(spec: dict, out: dict) -> str | None:
-    """None if `out` is a valid completion of `spec`, else what is wrong."""
-    meta, params = out["meta_info"], spec["body"]["sampling_params"]
-    n, reason = meta["completion_tokens"], (meta.get("finish_reason") or {}).get("type")
-    if spec["json"]:
-        if reason != "stop":
-            return f"json request finished by {reason}"
-        try:
-            value = json.loads(out["text"])
-        except ValueError:
-            return f"json request gave {out['text']!r}"
-        if not (isinstance(value, dict) and set(value) == {"ok"} and isinstance(value["ok"], bool)):
-            return f"json request gave {value!r}"
-    elif reason != "length" or n != params["max_new_tokens"]:
-        return f"finish {reason} after {n} tokens, expected length after {params['max_new_tokens']}"
-    if len(out["output_ids"]) != n or not isinstance(out["text"], str):
-        return f"{len(out['output_ids'])} output ids for {n} tokens"
-    if not (isinstance(meta.get("entropic_time"), float) and math.isfinite(meta["entropic_time"]) and meta["entropic_time"] >= 0):
-        return f"entropic_time {meta.get('entropic_time')!r}"
-    if spec["body"]["return_entropy"]:
-        temps, hs = meta.get("temperature"), meta.get("entropy")
-        if not (isinstance(temps, list) and isinstance(hs, list) and len(temps) == len(hs) == n):
-            return f"traces of length {len(temps or [])}/{len(hs or [])} for {n} tokens"
-        if any(h is None or h < 0 for h in hs):
-            return f"entropy trace {hs}"
-        if spec["greedy"] and set(temps) != {0.0}:
-            return f"greedy temperatures {temps}"
-        if spec["entropic"] == "controller" and not all(F32(T_MIN) <= t <= F32(T_MAX) for t in temps):
-            return f"controller temperatures {temps}"
-        if spec["entropic"] == "mirostat" and set(temps) != {1.0}:
-            return f"mirostat temperatures {temps}"
-    return None
-
-
-async def _send(session, url: str, spec: dict) -> tuple[str, str]:
-    """('completed' | 'aborted' | 'lost', detail)."""
-    import aiohttp
-
-    body = {**spec["body"], "stream": spec["stream"]}
-    try:
-        async with session.post(url + "/generate", json=body) as resp:
-            if resp.status != 200:
-                return "lost", f"HTTP {resp.status}: {(await resp.text())[:300]}"
-            if not spec["stream"]:
-                out = await resp.json()
-                problem = _check_output(spec, out)
-                return ("lost", problem) if problem else ("completed", "")
-            events, last, done = 0, None, False
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line:
-                    continue
-                if not line.startswith("data: "):
-                    return "lost", f"not an SSE data line: {line[:200]}"
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                last = json.loads(line[len("data: "):])
-                if "error" in last:
-                    return "lost", f"error event {last['error']}"
-                events += 1
-                if spec["abort"] and events == 1 + (spec["i"] // 4) % 2 and not last["meta_info"]["finish_reason"]:
-                    resp.close()  # the client goes away mid-stream: drops the connection
-                    return "aborted", ""
-            if not done or last is None:
-                return "lost", f"stream ended without [DONE] after {events} events"
-            problem = _check_output(spec, last)
-            return ("lost", problem) if problem else ("completed", "")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-        return "lost", f"{type(err).__name__}: {err}"
-
-
-async def _round(url: str, specs: list[dict]) -> list[tuple[str, str]]:
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)  # one connection per request, all at once
-    # ~30 s a round on an idle machine; the limit only catches a hang (a busy shared box can be 5x slower)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        return await asyncio.gather(*(_send(session, url, s) for s in specs))
-
-
-def _entropic_states(server) -> list[dict]:
-    return [s["entropic"] for s in server.get("/server_info", timeout=120).json()["internal_states"]]
-
-
-def _wait_until_nothing_is_held(server, timeout_s: float = 120.0) -> list[dict]:
-    """Aborts are processed asynchronously: poll until no KV and no request slot is held, on every rank."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = _entropic_states(server)
-        if all(_nothing_held(s) for s in states) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.5)
-
-
-def _nothing_held(state: dict) -> bool:
-    return state["kv_tokens_in_use"] == state["request_slots_in_use"] == 0
-
-
-def _healthy(server, timeout_s: float = 120.0) -> bool:
-    """The server process is alive and /health answers 200 (it may answer 503 while still busy)."""
-    deadline = time.monotonic() + timeout_s
-    while server.proc is None or server.proc.poll() is None:
-        try:
-            if server.get("/health", timeout=60).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(2)
-    return False
-
-
-def _states_after_flush(server) -> dict:
-    """Plugin states once two trivial requests have gone through one after the other.
-
-    SGLang's overlap scheduler pins its last two batches (Scheduler.batch_record_buf) until newer
-    ones replace them, so the states of the last requests stay reachable at idle. After two
-    sequential one-token requests, only those two can be pinned: more live states is a leak, and
-    none may be outside what the scheduler references (`leaked_request_states`).
-    """
-    for _ in range(2):
-        server.generate({"text": "flush", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    states = _entropic_states(server)
-    return {k: sum(s[k] for s in states) for k in ("live_request_states", "leaked_request_states")}
 
 
 @pytest.mark.slow
@@ -776,18 +611,18 @@ def test_load_with_client_aborts_completes_everything_else_and_frees_everything(
     pytest.importorskip("aiohttp")
     server, speculative = request.getfixturevalue(which), which == "spec_server"
     report = {"sent": 0, "completed": 0, "aborted": 0, "lost": 0, "crashes": 0, "rounds": []}
-    baseline = _states_after_flush(server)
+    baseline = states_after_flush(server)
     log_offset = server.log.stat().st_size if server.log else 0
     lost_details = []
     start = time.monotonic()
     for r in range(LOAD_ROUNDS):
-        specs = [_load_spec(i, speculative) for i in range(r * LOAD_PER_ROUND, (r + 1) * LOAD_PER_ROUND)]
+        specs = [load_spec(i, speculative) for i in range(r * LOAD_PER_ROUND, (r + 1) * LOAD_PER_ROUND)]
         t0 = time.monotonic()
-        results = asyncio.run(_round(server.url, specs))
+        results = asyncio.run(run_round(server.url, specs))
         wall = time.monotonic() - t0
-        held = _wait_until_nothing_is_held(server)
-        healthy = _healthy(server)
-        after_flush = _states_after_flush(server) if healthy else None
+        held = wait_until_nothing_is_held(server)
+        healthy = serves(server)
+        after_flush = states_after_flush(server) if healthy else None
         counts = {k: sum(1 for o, _ in results if o == k) for k in ("completed", "aborted", "lost")}
         lost_details += [(spec["i"], d) for spec, (o, d) in zip(specs, results) if o == "lost"]
         report["rounds"].append({"sent": len(specs), **counts, "wall_s": round(wall, 1), "held_after": held,
@@ -811,11 +646,11 @@ def test_load_with_client_aborts_completes_everything_else_and_frees_everything(
 
     assert report["crashes"] == 0, report
     assert report["lost"] == 0, lost_details[:10]
-    assert report["aborted"] == sum(1 for i in range(report["sent"]) if _load_spec(i, speculative)["abort"]), report
+    assert report["aborted"] == sum(1 for i in range(report["sent"]) if load_spec(i, speculative)["abort"]), report
     assert report["completed"] + report["aborted"] == report["sent"]
     assert report.get("plugin_faults", 0) == 0, report
     for rnd in report["rounds"]:
-        assert all(_nothing_held(s) for s in rnd["held_after"]), rnd
+        assert all(nothing_held(s) for s in rnd["held_after"]), rnd
         # the two pinned flush requests at most, no state the scheduler does not reference, no growth
         flushed = rnd["after_flush"]
         assert flushed["live_request_states"] <= 2 and flushed["leaked_request_states"] == 0, rnd

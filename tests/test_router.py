@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from tests.conftest import COMMON_ARGS, start_server, stop_server
-from tests.test_reliability import CHAT, LONG_PROMPT, _nothing_held, _send
+from tests.load_client import CHAT, LONG_PROMPT, nothing_held, send
 
 try:  # the distribution, not the `smg` console script (sglang-router's wheel installs one too)
     importlib.metadata.version("smg")
@@ -288,14 +288,14 @@ async def _burst(url: str, specs: list[dict]) -> list[tuple[str, str]]:
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
         return await asyncio.gather(*(
-            _send(session, url, s) if s["endpoint"] == "/generate" else _send_completion(session, url, s) for s in specs))
+            send(session, url, s) if s["endpoint"] == "/generate" else _send_completion(session, url, s) for s in specs))
 
 
 def _wait_until_nothing_is_held(cluster, timeout_s: float = 180.0) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         states = cluster.states()
-        if all(_nothing_held(s) for s in states) or time.monotonic() > deadline:
+        if all(nothing_held(s) for s in states) or time.monotonic() > deadline:
             return states
         time.sleep(0.5)
 
@@ -321,7 +321,7 @@ def test_load_through_the_router_loses_nothing_and_every_worker_frees_everything
 
     assert counts["lost"] == 0, lost[:10]
     assert counts["aborted"] == sum(s["abort"] for s in specs) and counts["completed"] + counts["aborted"] == len(specs)
-    assert all(_nothing_held(s) for s in held), report
+    assert all(nothing_held(s) for s in held), report
     assert all(n > 0 for n in per_worker), report  # both workers served
     assert sum(per_worker) >= len(specs), report
 

@@ -416,14 +416,22 @@ def test_bounds_respected_even_for_huge_eta(t, h, eta, t_min, width):
 
 
 def test_step_is_zero_lag_batched():
+    """Each row's temperature this step, from this step's own logits at the row's incoming temperature, against
+    plain math per row (Python floats): H of softmax(z / T), then T * exp(-eta (H - H*)) clipped."""
     zs = torch.stack([make_logits(k, 800, 1.5, k) for k in range(3)])
-    rows = [ControllerState(t, 2.0, 0.2, T_MIN, T_MAX, 0.05, 0) for t in (0.3, 1.0, 1.7)]
-    batch = ControllerBatch.from_rows(rows, "cpu")
-    t_state = batch.temperature.clone()
+    incoming = (0.3, 1.0, 1.7)
+    batch = ControllerBatch.from_rows([ControllerState(t, 2.0, 0.2, T_MIN, T_MAX, 0.05, 0) for t in incoming], "cpu")
     t, probe = batch.step(zs)
-    assert torch.allclose(probe, entropy(zs, t_state))
-    want = update_temperature(t_state, probe, 2.0, 0.2, T_MIN, T_MAX, 0.05, 0, 0)
-    assert torch.equal(t, want) and torch.equal(batch.temperature, t)
+    for row, t_in in enumerate(incoming):
+        x = [float(v) / t_in for v in zs[row]]
+        m = max(x)
+        w = [math.exp(v - m) for v in x]
+        total = sum(w)
+        h = -sum(wi / total * math.log(wi / total) for wi in w if wi > 0)
+        assert probe[row].item() == pytest.approx(h, rel=1e-5)
+        want = min(max(t_in * math.exp(-0.2 * (h - 2.0)), T_MIN), T_MAX)
+        assert t[row].item() == pytest.approx(want, rel=1e-5)
+    assert len(set(t.tolist())) == 3 and torch.equal(batch.temperature, t)  # each row its own; the state moved
 
 
 # ---------------------------------------------------------------------------------------------
