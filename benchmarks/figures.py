@@ -1,15 +1,18 @@
-"""The README's figures, drawn from committed measurements (docs/data/) and benchmark results.
+"""The docs' figures, drawn from the committed measurements in docs/data/: one command redraws them all.
 
-    python benchmarks/figures.py [--sparse-quality benchmarks/results/sparse_quality-*.json]
-                                 [--attention-pruning benchmarks/results/attention_pruning-*.json]
+    .venv/bin/python benchmarks/figures.py [--data docs/data] [--out docs/figures]
 
 writes PNGs into docs/figures/:
   - entropy_traces.png    H_t per step, controller against a fixed temperature (docs/data/entropy_traces.json,
                           from benchmarks/entropy_traces.py)
   - plugin_time.png       the plugin's own time per decode step per mode, and each round's throughput
                           ratio to stock (docs/data/plugin_overhead.json, from benchmarks/full_system.py)
-  - sparse_quality.png    kept share against KL to dense, per selection variant (benchmarks/sparse_quality.py)
-  - attention_pruning.png decode tok/s of stock, our kernel over every page, and pruned (benchmarks/attention_pruning.py)
+  - sparse_quality.png    kept share against KL to dense, per selection variant (docs/data/sparse_quality.json, from
+                          benchmarks/sparse_quality.py)
+  - attention_pruning.png decode tok/s of stock, our kernel over every page, and pruned (docs/data/attention_pruning.json,
+                          from benchmarks/attention_pruning.py)
+  - speculative_decoding.png output tok/s against stock per workload and batch size, per configuration
+                          (docs/data/speculative_decoding.json, from benchmarks/speculative_decoding.py)
 A figure whose input is absent is skipped with a message naming the file it needs.
 """
 
@@ -142,30 +145,40 @@ def attention_pruning(data: dict, out: Path) -> Path:
     return _save(fig, out / "attention_pruning.png")
 
 
-def _latest(pattern: str) -> Optional[Path]:
-    found = sorted((ROOT / "benchmarks" / "results").glob(pattern))
-    return found[-1] if found else None
+def speculative_decoding(data: dict, out: Path) -> Path:
+    """Per workload and batch size, each configuration's output tok/s over stock's in the same round: medians with
+    min-max whiskers; the dashed line is stock."""
+    configs = [c for c in data["configs"] if c != "stock"]
+    keys = list(data["summary"])
+    fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(keys)), 4.2))
+    width = 0.8 / len(configs)
+    cmap = plt.get_cmap("tab10")
+    for j, config in enumerate(configs):
+        cells = [data["summary"][k].get(config, {}).get("tok_s", {}).get("vs_stock") for k in keys]
+        xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(keys))]
+        med = [c["median"] if c else 0.0 for c in cells]
+        err = [[c["median"] - c["min"] if c else 0.0 for c in cells], [c["max"] - c["median"] if c else 0.0 for c in cells]]
+        ax.bar(xs, med, width, yerr=err, capsize=2, color=cmap(j), label=config)
+    ax.axhline(1.0, color="black", ls="--", lw=1)
+    ax.set_xticks(range(len(keys)), [k.replace("-B", ", batch ") for k in keys])
+    ax.set_ylabel("output tok/s / stock's (same round)")
+    ax.set_title("Speculative decoding under the plugin against stock SGLang", fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    return _save(fig, out / "speculative_decoding.png")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA, help="entropy_traces.json and plugin_overhead.json")
+    ap.add_argument("--data", type=Path, default=DATA, help="the folder of the benchmarks' JSON files")
     ap.add_argument("--out", type=Path, default=FIGURES)
-    ap.add_argument("--sparse-quality", type=Path, default=None,
-                    help="a sparse_quality-*.json (default: the newest in benchmarks/results)")
-    ap.add_argument("--attention-pruning", type=Path, default=None,
-                    help="an attention_pruning-*.json (default: the newest in benchmarks/results)")
     args = ap.parse_args(argv)
-    jobs: list[tuple[Callable[[dict, Path], Path], Optional[Path]]] = [
-        (entropy_traces, args.data / "entropy_traces.json"),
-        (plugin_time, args.data / "plugin_overhead.json"),
-        (sparse_quality, args.sparse_quality or _latest("sparse_quality-*.json")),
-        (attention_pruning, args.attention_pruning or _latest("attention_pruning-*.json")),
-    ]
+    jobs: list[tuple[Callable[[dict, Path], Path], Path]] = [
+        (draw, args.data / f"{name}.json") for draw, name in (
+            (entropy_traces, "entropy_traces"), (plugin_time, "plugin_overhead"), (sparse_quality, "sparse_quality"),
+            (attention_pruning, "attention_pruning"), (speculative_decoding, "speculative_decoding"))]
     for draw, path in jobs:
-        if path is None or not path.exists():
-            print(f"skipped {draw.__name__}.png: no input ({path or 'no ' + draw.__name__ + '-*.json in benchmarks/results'})",
-                  file=sys.stderr)
+        if not path.exists():
+            print(f"skipped {draw.__name__}.png: no input ({path})", file=sys.stderr)
             continue
         print(f"wrote {draw(json.loads(path.read_text()), args.out)} from {path}")
     return 0

@@ -5,15 +5,16 @@
 # the base): --gpu on a CUDA machine adds FlashInfer and the real sgl_kernel; --bench what the
 # benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays); --router
 # SGLang's model gateway (smg, the successor of sglang-router, which it removes first: both install
-# a console script named `smg`), for scripts/router.sh and tests/test_router.py.
+# a console script named `smg`), for scripts/router.sh and tests/test_router.py; --docs the docs
+# site's builder (mkdocs with the material theme), for tests/test_docs.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 groups=()
 for arg in "$@"; do
   case "$arg" in
-    --gpu|--bench|--router) groups+=("${arg#--}") ;;
-    *) echo "setup: unknown option $arg (use --gpu, --bench, --router)" >&2; exit 2 ;;
+    --gpu|--bench|--router|--docs) groups+=("${arg#--}") ;;
+    *) echo "setup: unknown option $arg (use --gpu, --bench, --router, --docs)" >&2; exit 2 ;;
   esac
 done
 python=${PYTHON:-python3.11}

@@ -15,5 +15,5 @@ for arg in "$@"; do
     *) args+=("$arg") ;;
   esac
 done
-bash scripts/setup.sh --router  # tests/test_router.py runs SGLang's model gateway (smg)
+bash scripts/setup.sh --router --docs  # tests/test_router.py runs smg, tests/test_docs.py builds the docs site
 exec .venv/bin/python -m pytest ${tier[@]+"${tier[@]}"} --durations=15 ${args[@]+"${args[@]}"}

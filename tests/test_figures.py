@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
-
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-figures = pytest.importorskip("figures")  # matplotlib comes with scripts/setup.sh --bench
+import figures  # noqa: E402 - matplotlib comes with scripts/setup.sh --docs, which the test command runs
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -45,17 +43,22 @@ def _attention_pruning() -> dict:
                      for n in (4000, 7000) for b in (1, 4)]}
 
 
+def _speculative() -> dict:
+    ratio = {"median": 1.4, "min": 1.2, "max": 1.6}
+    return {"configs": ["stock", "ours", "fixed-4", "entropy"],
+            "summary": {f"{w}-B{b}": {c: {"tok_s": {"median": 10.0, "min": 9.0, "max": 11.0, "vs_stock": ratio}}
+                                      for c in ("ours", "fixed-4", "entropy")} for w in ("agent", "chat") for b in (1, 8)}}
+
+
 def test_every_figure_is_drawn_from_its_json(tmp_path):
     data, out = tmp_path / "data", tmp_path / "figures"
     data.mkdir()
-    (data / "entropy_traces.json").write_text(json.dumps(_traces()))
-    (data / "plugin_overhead.json").write_text(json.dumps(_overhead()))
-    sq, ap = tmp_path / "sparse_quality-1.json", tmp_path / "attention_pruning-1.json"
-    sq.write_text(json.dumps(_sparse_quality()))
-    ap.write_text(json.dumps(_attention_pruning()))
-    assert figures.main(["--data", str(data), "--out", str(out), "--sparse-quality", str(sq),
-                         "--attention-pruning", str(ap)]) == 0
-    for name in ("entropy_traces", "plugin_time", "sparse_quality", "attention_pruning"):
+    for name, content in (("entropy_traces", _traces()), ("plugin_overhead", _overhead()),
+                          ("sparse_quality", _sparse_quality()), ("attention_pruning", _attention_pruning()),
+                          ("speculative_decoding", _speculative())):
+        (data / f"{name}.json").write_text(json.dumps(content))
+    assert figures.main(["--data", str(data), "--out", str(out)]) == 0
+    for name in ("entropy_traces", "plugin_time", "sparse_quality", "attention_pruning", "speculative_decoding"):
         png = (out / f"{name}.png").read_bytes()
         assert png.startswith(PNG) and len(png) > 5_000, name
 
@@ -64,11 +67,9 @@ def test_a_figure_without_its_input_is_skipped_with_a_message(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "figures"
     data.mkdir()
     (data / "entropy_traces.json").write_text(json.dumps(_traces()))
-    missing = tmp_path / "absent.json"
-    assert figures.main(["--data", str(data), "--out", str(out), "--sparse-quality", str(missing),
-                         "--attention-pruning", str(missing)]) == 0
+    assert figures.main(["--data", str(data), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["entropy_traces.png"]
     err = capsys.readouterr().err
     assert f"skipped plugin_time.png: no input ({data / 'plugin_overhead.json'})" in err
-    assert f"skipped sparse_quality.png: no input ({missing})" in err
-    assert f"skipped attention_pruning.png: no input ({missing})" in err
+    assert f"skipped sparse_quality.png: no input ({data / 'sparse_quality.json'})" in err
+    assert f"skipped speculative_decoding.png: no input ({data / 'speculative_decoding.json'})" in err
