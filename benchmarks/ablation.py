@@ -53,8 +53,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-import requests  # noqa: E402
-
 from attention_pruning import (  # noqa: E402
     code_corpus,
     code_windows,
@@ -228,7 +226,6 @@ def plots(results: dict, out_dir: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

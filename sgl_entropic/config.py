@@ -49,7 +49,9 @@ class SamplingConfig(_Section):
     (after penalties and grammar masks, before top-k/top-p/min-p truncation).
     """
 
-    controller: Literal["entropic", "mirostat_v2"] = "entropic"
+    controller: Literal["entropic", "mirostat_v2"] = Field(
+        "entropic", description="entropic: the rule above on H_t; mirostat_v2: the same loop on the sampled surprisal"
+    )
     target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
     eta: Optional[float] = Field(
         None, gt=0.0, le=10.0, description="gain; default 0.2 (entropic) or 0.1 (mirostat_v2)"
@@ -57,8 +59,8 @@ class SamplingConfig(_Section):
     t_init: Optional[float] = Field(
         None, gt=0.0, le=100.0, description="start temperature; default: the request's temperature"
     )
-    t_min: float = Field(0.1, gt=0.0, le=100.0)
-    t_max: float = Field(2.0, gt=0.0, le=100.0)
+    t_min: float = Field(0.1, gt=0.0, le=100.0, description="lowest temperature the controller sets")
+    t_max: float = Field(2.0, gt=0.0, le=100.0, description="highest temperature the controller sets")
     entropy_floor: float = Field(
         0.05, ge=0.0, le=20.0, description="below this H (nats) the step is forced: T is not updated"
     )

@@ -186,9 +186,9 @@ def sglang_argv(rest: list[str]) -> list[str]:
         from sgl_entropic.model import prepare_bundled_model
 
         argv += ["--model-path", str(prepare_bundled_model())]
-        for flag, value in BUNDLED_MODEL_DEFAULTS.items():
-            if not _has_flag(argv, flag):
-                argv += [flag, value]
+        for name, value in BUNDLED_MODEL_DEFAULTS.items():
+            if not _has_flag(argv, name):
+                argv += [name, value]
     if not _has_flag(argv, "--device") and _device(argv) == "cpu":
         argv += ["--device", "cpu"]
     return argv

@@ -387,7 +387,7 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     k_pages = k_cache.view(-1, p, heads_kv, dim)
     v_pages = v_cache.view(-1, p, heads_kv, v_cache.shape[-1])
     fixed, cols = plan.fixed_pages[:, None], plan.fixed_pages.shape[1]
-    kept = picked = None
+    kept = None
     if not plan.keep_valid.shape[1]:  # every page fixed, or nothing to choose
         candidates, valid = fixed[:, :, :0], plan.keep_valid
     elif plan.chosen is not None:

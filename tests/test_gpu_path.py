@@ -182,12 +182,12 @@ def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashin
     from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
 
     from sgl_entropic.config import EntropicConfig, SamplingConfig
-    from sgl_entropic.plugin.attention import PagePlanner
+    from sgl_entropic.plugin.page_planner import PagePlanner
     from sgl_entropic.sampling import ControllerState
     from tests.stepping import HostReads, Stepper
-    from tests.test_attention_backend import CFG, HEADS_KV, HEADS_Q, LAYERS, _layer, _setup
+    from tests.backend_stubs import CFG, HEADS_KV, HEADS_Q, LAYERS, setup, stub_layer
 
-    runner, _, batch, q, _ = _setup(CFG, [700, 300, 1000, 129])
+    runner, _, batch, q, _ = setup(CFG, [700, 300, 1000, 129])
     monkeypatch.setattr(FlashInferAttnBackend, "init_forward_metadata",
                         lambda self, fb: setattr(self, "forward_metadata", DecodeMetadata([object()])))
     backend = object.__new__(flashinfer_sparse.EntropicFlashInferAttnBackend)  # SGLang's __init__ needs CUDA
@@ -203,7 +203,7 @@ def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashin
     with HostReads(host=[batch.seq_lens_cpu]) as mode:
         backend.init_forward_metadata(batch)
         for layer in range(LAYERS):  # what forward_decode does before FlashInfer runs the layer
-            assert backend.planner.sparse_layer(_layer(layer))
+            assert backend.planner.sparse_layer(stub_layer(layer))
             backend.sparse.select(q, pool.k[layer], store.kmin[layer], store.kmax[layer], 0.25)
         step = stepper.begin(reqs, logits, [0.8] * 4)
         _, pending = step.record(logits.clone(), logits.argmax(dim=-1), [700, 300, 1000, 129])

@@ -32,7 +32,7 @@ from sgl_entropic.config import PruningConfig
 from sgl_entropic.crossover import CONTEXTS, crossover, measure
 from sgl_entropic.kernels.page_scores import page_bounds_triton, page_lse_triton
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.attention import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
+from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.plugin.self_check import run_self_check
 from sgl_entropic.pruning import StepPlan, all_pages, row_pages, to_device

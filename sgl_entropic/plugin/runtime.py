@@ -57,7 +57,7 @@ class Runtime:
     controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
-    probe: Any = None  # its start-up pass: self-check, crossover timings (attention.Probe)
+    probe: Any = None  # its start-up pass: self-check, crossover timings (page_planner.Probe)
     speculation: Any = None  # under NGRAM speculative decoding: the draft rule's state (speculation.Speculation)
     # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
     served: float = 0.0
