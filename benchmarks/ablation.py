@@ -7,7 +7,7 @@ Configurations (one server at a time, identical SGLang flags):
   scheduling  `--entropic scheduling`   (macro loop over fcfs)
   pruning     `--entropic pruning`      (meso loop: the `entropic` attention backend)
   full        `--entropic full --schedule-policy entropic` (all three loops; plain `full` leaves the
-              queue order to SGLang, README "Against every policy SGLang ships")
+              queue order to SGLang, docs/scheduling.md)
 pruning and full prune from --min-context tokens (pruning.min_context; default 4096, 0: the
 start-up probe decides), so that the long-context burst is decoded sparsely on any machine.
 With --rounds R > 1 the configuration order rotates every round (drift spreads over all), and the

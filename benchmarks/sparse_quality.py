@@ -287,7 +287,7 @@ def answered(text: str) -> Optional[int]:
 
 
 def configs(args) -> dict[str, PruningConfig]:
-    """The selection variants, each against the default at its own budget (README "Pruning")."""
+    """The selection variants, each against the default at its own budget (docs/pruning.md)."""
     base = json.loads(args.entropic_config).get("pruning", {}) if args.entropic_config else {}
     base.setdefault("min_context", 1024)  # quality wherever it prunes, whatever this machine's crossover
     default = PruningConfig(**base)

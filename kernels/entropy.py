@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_entropic.signal import TokenStats
 
 # Large enough to stream a 152k vocabulary in ~40 chunks, small enough to stay in registers.
 _MAX_BLOCK_V = 4096
@@ -94,8 +93,9 @@ def token_stats_triton(
     inv_temperature: Optional[torch.Tensor] = None,
     *,
     block_v: Optional[int] = None,
-) -> TokenStats:
-    """`token_stats_reference` in one read of the logits; fp32/bf16/fp16 in, fp32 out.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_stats_reference` in one read of the logits; fp32/bf16/fp16 in, fp32 out: the fields of
+    `sgl_entropic.signal.TokenStats` as a plain tuple (the kernel does not import the module that calls it).
 
     block_v (a power of two) overrides the vocabulary chunk, so that tests can exercise
     several chunks with a small vocabulary.
@@ -129,4 +129,4 @@ def token_stats_triton(
             BLOCK_V=block,
             num_warps=8 if block >= 2048 else 4,
         )
-    return TokenStats(entropy, surprisal, lse, valid.view(torch.bool))
+    return entropy, surprisal, lse, valid.view(torch.bool)

@@ -98,7 +98,7 @@ class SchedulingConfig(_Section):
         None, description="who orders the waiting queue and the decode retraction: entropic (pi with "
         "aging, SGLang's request priorities first), or sglang (its --schedule-policy / --retraction-policy); "
         "None: entropic in mode scheduling, sglang in mode full (there the entropic order did not beat "
-        "SGLang's policies, README \"Against every policy SGLang ships\")")
+        "SGLang's policies, docs/scheduling.md)")
     alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of the remaining work C")
     beta: float = Field(1.0, ge=0.0, le=1e6, description="weight of KV pages held")
     gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of the latency slack")
@@ -106,7 +106,7 @@ class SchedulingConfig(_Section):
     max_gain: float = Field(
         1.0, gt=0.0, le=100.0, description="nats: every request starts at this E[dH] and is never credited more")
     # 14: on a 2-core x86 CPU (fp32, SmolLM2-135M) a prefill token took 2.75 ms and a decode step of
-    # 4 requests 148 ms, 37 ms per decode token (README "Scheduling"); set it for other hardware.
+    # 4 requests 148 ms, 37 ms per decode token (docs/scheduling.md); set it for other hardware.
     decode_weight: float = Field(
         14.0, gt=0.0, le=1e6, description="work units of one decode token (one prefill token is 1)")
     expected_output_tokens: int = Field(

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Optional
 
 from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
-from sgl_entropic.config import ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
-from sgl_entropic.server_args import speculative_args, spell_kwarg
+from sgl_entropic.config import CONFIG_ENV, EntropicConfig
+from sgl_entropic.server_args import pruning_args, speculative_args, spell_kwarg
 
 
 class Engine(SGLangEngine):
@@ -73,22 +73,7 @@ def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, 
 
         if not torch.cuda.is_available():
             kwargs["device"] = "cpu"
-    if config.pruning_on:
-        chosen = kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
-        if chosen != ATTENTION_BACKEND:
-            raise ValueError(f"entropic={config.mode!r} prunes attention in the {ATTENTION_BACKEND!r} backend, "
-                             f"not {chosen!r}")
-        page_size = kwargs.setdefault("page_size", config.pruning.page_size)  # a pruning page is a KV page
-        if page_size != config.pruning.page_size:
-            raise ValueError(f"page_size={page_size} differs from pruning.page_size={config.pruning.page_size}")
-        for field, why in KV_PATHS_PRUNING_CANNOT_SEE.items():
-            if kwargs.get(field):
-                raise ValueError(f"entropic={config.mode!r} prunes from page bounds written with the KV; "
-                                 f"{field}=True bypasses them ({why})")
-        if kwargs.get("disaggregation_mode", "null") != "null":
-            raise ValueError(f"entropic={config.mode!r} prunes from page bounds written with the KV; "
-                             f"disaggregation_mode={kwargs['disaggregation_mode']!r} transfers KV without them")
-    return kwargs
+    return {**kwargs, **pruning_args(config, kwargs, spell_kwarg)}
 
 
 def _activate_here(config: EntropicConfig) -> None:

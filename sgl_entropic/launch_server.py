@@ -15,9 +15,9 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from sgl_entropic.config import (ATTENTION_BACKEND, CONFIG_ENV, KV_PATHS_PRUNING_CANNOT_SEE, MODES, EntropicConfig,
-                                 format_error, parse_config_arg)
-from sgl_entropic.server_args import BOOLEAN_FIELDS, SPECULATIVE_FIELDS, flag, speculative_args, spell_flag
+from sgl_entropic.config import CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
+from sgl_entropic.server_args import (BOOLEAN_FIELDS, PRUNING_FIELDS, SPECULATIVE_FIELDS, flag, pruning_args,
+                                      speculative_args, spell_flag)
 
 # Applied only when the user did not pass the flag themselves.
 BUNDLED_MODEL_DEFAULTS = {
@@ -92,60 +92,36 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def select_attention_backend(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
-    """The meso loop is an attention backend, `entropic` (FlashInfer on CUDA, torch_native on CPU),
-    over a KV pool paged like the pruning (--page-size = pruning.page_size)."""
-    if not config.pruning_on:
-        return rest
-    chosen = _flag_value(rest, "--attention-backend")
-    if chosen is not None and chosen != ATTENTION_BACKEND:
-        parser.error(f"--entropic {config.mode} prunes attention in the {ATTENTION_BACKEND!r} backend; "
-                     f"drop --attention-backend {chosen} (or use --entropic sampling|scheduling)")
-    out = list(rest) if chosen else rest + ["--attention-backend", ATTENTION_BACKEND]
-    # pruning pages are the KV pool's pages: a selected page is one physical page
-    page_size = _flag_value(out, "--page-size")
-    if page_size is None:
-        out += ["--page-size", str(config.pruning.page_size)]
-    elif page_size != str(config.pruning.page_size):
-        parser.error(f"--page-size {page_size} differs from pruning.page_size {config.pruning.page_size}; "
-                     f"set them equal (--entropic-config '{{\"pruning\": {{\"page_size\": {page_size}}}}}')")
-    # CUDA graphs stay on: dense decode steps replay SGLang's graphs, pruned ones run eager (README "GPU")
-    return out
-
-
-def refuse_unsafe_kv_paths(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> None:
-    """Pruning with a KV path its page store does not see is an error (exit code 2), not silent staleness."""
-    if not config.pruning_on:
-        return
-    for field, why in KV_PATHS_PRUNING_CANNOT_SEE.items():
-        flag = "--" + field.replace("_", "-")
-        if _has_flag(rest, flag):
-            parser.error(f"--entropic {config.mode} prunes from page bounds written with the KV, and {flag} "
-                         f"bypasses them ({why}); drop {flag} or use --entropic sampling|scheduling")
-    mode = _flag_value(rest, "--disaggregation-mode")
-    if mode not in (None, "null"):
-        parser.error(f"--entropic {config.mode} prunes from page bounds written with the KV, and "
-                     f"--disaggregation-mode {mode} transfers KV between servers without them; "
-                     f"drop one (or use --entropic sampling|scheduling)")
-
-
-def map_speculative_flags(rest: list[str], config: EntropicConfig,
-                          parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
-    """SGLang's speculative flags under the plugin (server_args.speculative_args); a refusal exits with code 2."""
+def _given(rest: list[str], names) -> dict:
+    """SGLang's flags among `names` as the user gave them (field name -> value)."""
     given = {}
-    for name in SPECULATIVE_FIELDS:
+    for name in names:
         if name in BOOLEAN_FIELDS:
             if _has_flag(rest, flag(name)):
                 given[name] = True
         elif (value := _flag_value(rest, flag(name))) is not None:
             given[name] = _number(value)
+    return given
+
+
+def map_pruning_flags(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. CUDA graphs
+    stay on: dense decode steps replay SGLang's graphs, pruned ones run eager (docs/gpu.md)."""
     try:
-        config, updates = speculative_args(config, given, _device(rest), spell_flag)
+        updates = pruning_args(config, _given(rest, PRUNING_FIELDS), spell_flag)
     except ValueError as err:
         parser.error(str(err))
-    for name, value in updates.items():
-        rest = rest + [flag(name), str(value)]
-    return rest, config
+    return rest + [a for name, value in updates.items() for a in (flag(name), str(value))]
+
+
+def map_speculative_flags(rest: list[str], config: EntropicConfig,
+                          parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
+    """SGLang's speculative flags under the plugin (server_args.speculative_args); a refusal exits with code 2."""
+    try:
+        config, updates = speculative_args(config, _given(rest, SPECULATIVE_FIELDS), _device(rest), spell_flag)
+    except ValueError as err:
+        parser.error(str(err))
+    return rest + [a for name, value in updates.items() for a in (flag(name), str(value))], config
 
 
 def _number(value: str):
@@ -204,8 +180,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = build_config(own.entropic, own.entropic_config, parser)
     check_sglang_version(parser)
     rest, config = map_schedule_policy(rest, config, parser)
-    rest = select_attention_backend(rest, config, parser)
-    refuse_unsafe_kv_paths(rest, config, parser)
+    rest = map_pruning_flags(rest, config, parser)
     rest, config = map_speculative_flags(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()

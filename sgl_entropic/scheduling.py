@@ -188,13 +188,12 @@ def batch_work(extend_tokens: int, decode_rows: int, cfg: SchedulingConfig) -> f
 class GainEstimator:
     """Per-request EMA of positive entropy drops, started at (and credited up to) cfg.max_gain."""
 
-    __slots__ = ("_decay", "_gain", "_last_entropy", "_drops")
+    __slots__ = ("_decay", "_gain", "_last_entropy")
 
     def __init__(self, cfg: SchedulingConfig) -> None:
         self._decay = float(cfg.gain_ema)
         self._gain = float(cfg.max_gain)
         self._last_entropy: Optional[float] = None
-        self._drops = 0
 
     def observe(self, entropy: float) -> None:
         """Record this step's entropy H_t (nats); from the second call on, update the EMA."""
@@ -202,7 +201,6 @@ class GainEstimator:
         if self._last_entropy is not None:
             drop = max(0.0, self._last_entropy - h)
             self._gain = self._decay * self._gain + (1.0 - self._decay) * drop
-            self._drops += 1
         self._last_entropy = h
 
     @property
@@ -212,11 +210,6 @@ class GainEstimator:
     @property
     def last_entropy(self) -> Optional[float]:
         return self._last_entropy
-
-    @property
-    def num_drops(self) -> int:
-        """Number of drops folded into the EMA (observations minus one, or 0)."""
-        return self._drops
 
 
 # --------------------------------------------------------------------------- priority

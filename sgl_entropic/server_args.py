@@ -1,16 +1,16 @@
 """SGLang server arguments against the entropic config: one set of rules for the launcher and the Engine.
 
-`speculative_args` takes SGLang's speculative flags as the user gave them (field name -> value, absent
-flags missing) and returns the config that records them plus the arguments the plugin sets; anything it
-cannot serve correctly is a ValueError naming the flag, as `spell` writes it (launcher: `--flag value`,
-Engine: `name=value`).
+`pruning_args` and `speculative_args` take SGLang's flags as the user gave them (field name -> value,
+absent flags missing) and return the arguments the plugin sets (`speculative_args` also the config that
+records them); anything it cannot serve correctly is a ValueError naming the flag, as `spell` writes it
+(launcher: `--flag value`, Engine: `name=value`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from sgl_entropic.config import ATTENTION_BACKEND, EntropicConfig
+from sgl_entropic.config import ATTENTION_BACKEND, KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
 
 Spell = Callable[[str, Any], str]
 
@@ -26,6 +26,39 @@ REFUSED_WITH_SPECULATION = {
                                                   "exact already"),
     "speculative_attention_mode": ("prefill", "verification attends as an extend (the default)"),
 }
+PRUNING_FIELDS = ("attention_backend", "page_size", "disaggregation_mode", *KV_PATHS_PRUNING_CANNOT_SEE)
+
+
+def pruning_args(config: EntropicConfig, args: Mapping[str, Any], spell: Spell) -> dict[str, Any]:
+    """SGLang arguments pruning sets: the entropic attention backend over KV pages of pruning.page_size
+    tokens (a selected page is one physical page); ValueError for what would go stale or bypass it."""
+    if not config.pruning_on:
+        return {}
+    mode, updates = f"--entropic {config.mode}", {}
+    backend = args.get("attention_backend")
+    if backend is None:
+        updates["attention_backend"] = ATTENTION_BACKEND
+    elif backend != ATTENTION_BACKEND:
+        raise ValueError(f"{mode} prunes attention in the {ATTENTION_BACKEND!r} backend; drop "
+                         f"{spell('attention_backend', backend)} (or use --entropic sampling|scheduling)")
+    page_size = args.get("page_size")
+    if page_size is None:
+        updates["page_size"] = config.pruning.page_size
+    elif int(page_size) != config.pruning.page_size:
+        raise ValueError(f"{spell('page_size', page_size)} differs from pruning.page_size {config.pruning.page_size}; "
+                         f"set them equal (--entropic-config '{{\"pruning\": {{\"page_size\": {page_size}}}}}')")
+    for name, why in KV_PATHS_PRUNING_CANNOT_SEE.items():
+        if args.get(name):
+            raise ValueError(f"{mode} prunes from page bounds written with the KV, and {spell(name, True)} bypasses "
+                             f"them ({why}); drop it or use --entropic sampling|scheduling")
+    disaggregation = args.get("disaggregation_mode")
+    if disaggregation not in (None, "null"):
+        raise ValueError(f"{mode} prunes from page bounds written with the KV, and "
+                         f"{spell('disaggregation_mode', disaggregation)} transfers KV between servers without them; "
+                         "drop one (or use --entropic sampling|scheduling)")
+    return updates
+
+
 # Attention backends with a verify forward on CPU (torch_native has none: ours adds it).
 CPU_VERIFY_BACKENDS = (ATTENTION_BACKEND, "intel_amx")
 
@@ -94,4 +127,4 @@ def spell_kwarg(name: str, value: Any) -> str:
 SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend", "tp_size",
                       "pp_size", *REFUSED_WITH_SPECULATION)
 BOOLEAN_FIELDS = frozenset({"speculative_adaptive", "speculative_use_rejection_sampling",
-                            "speculative_use_block_verification"})
+                            "speculative_use_block_verification", *KV_PATHS_PRUNING_CANNOT_SEE})

@@ -159,7 +159,7 @@ def token_stats(
     if logits.is_cuda and triton_available():
         from sgl_entropic.kernels.entropy import token_stats_triton
 
-        return token_stats_triton(logits, token_ids, inv_temperature)
+        return TokenStats(*token_stats_triton(logits, token_ids, inv_temperature))
     return token_stats_reference(logits, token_ids, inv_temperature)
 
 

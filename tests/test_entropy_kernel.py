@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from sgl_entropic.signal import token_stats, token_stats_reference
+from sgl_entropic.signal import TokenStats, token_stats, token_stats_reference
 
 NEG_INF = float("-inf")
 
@@ -40,7 +40,7 @@ def edge_case_batch(vocab: int, dtype: torch.dtype, device: str = "cpu"):
 def assert_matches_reference(logits, tokens, inv_temperature, **kernel_options):
     from sgl_entropic.kernels.entropy import token_stats_triton
 
-    got = token_stats_triton(logits, tokens, inv_temperature, **kernel_options)
+    got = TokenStats(*token_stats_triton(logits, tokens, inv_temperature, **kernel_options))
     want = token_stats_reference(logits, tokens, inv_temperature)
     assert torch.equal(got.valid, want.valid)
     for name in ("entropy", "surprisal", "lse"):

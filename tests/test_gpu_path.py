@@ -15,7 +15,7 @@ import torch
 
 from sgl_entropic.config import KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
 from sgl_entropic.engine import _engine_kwargs
-from sgl_entropic.launch_server import refuse_unsafe_kv_paths
+from sgl_entropic.launch_server import map_pruning_flags
 from sgl_entropic.plugin import page_store, runtime
 
 
@@ -60,8 +60,8 @@ def test_the_launcher_and_the_engine_keep_cuda_graphs(model_path):
 def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(field):
     flag = "--" + field.replace("_", "-")
     with pytest.raises(ValueError, match=flag):
-        refuse_unsafe_kv_paths([flag], EntropicConfig(mode="pruning"), _Parser())
-    refuse_unsafe_kv_paths([flag], EntropicConfig(mode="sampling"), _Parser())  # no pruning: nothing to go stale
+        map_pruning_flags([flag], EntropicConfig(mode="pruning"), _Parser())
+    map_pruning_flags([flag], EntropicConfig(mode="sampling"), _Parser())  # no pruning: nothing to go stale
     with pytest.raises(ValueError, match=field):
         _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", field: True})
     _engine_kwargs(EntropicConfig(mode="scheduling"), {"model_path": "m", "device": "cuda", field: True})
@@ -69,8 +69,8 @@ def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(fiel
 
 def test_pd_disaggregation_is_refused_with_pruning():
     with pytest.raises(ValueError, match="--disaggregation-mode decode"):
-        refuse_unsafe_kv_paths(["--disaggregation-mode", "decode"], EntropicConfig(mode="full"), _Parser())
-    refuse_unsafe_kv_paths(["--disaggregation-mode", "null"], EntropicConfig(mode="full"), _Parser())
+        map_pruning_flags(["--disaggregation-mode", "decode"], EntropicConfig(mode="full"), _Parser())
+    map_pruning_flags(["--disaggregation-mode", "null"], EntropicConfig(mode="full"), _Parser())
     with pytest.raises(ValueError, match="disaggregation_mode='prefill'"):
         _engine_kwargs(EntropicConfig(mode="pruning"), {"model_path": "m", "disaggregation_mode": "prefill"})
 

@@ -17,7 +17,7 @@ from sgl_entropic.pruning import (
     attend_layer,
     keep_ratio,
     num_pages,
-    quest_scores,
+    quest_bounds,
     reference_entropy_for_vocab,
     row_pages,
     sparse_decode_attention,
@@ -129,12 +129,12 @@ def test_row_pages_by_hand():
 # ---------------------------------------------------------------------------- page scores
 
 
-def test_quest_scores_by_hand_and_upper_bound():
+def test_the_bound_by_hand_and_upper_bound():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 8, generator=g)  # 6 query heads over 2 KV heads
     keys = torch.randn(2, 5, 16, 2, 8, generator=g)  # [B, pages, tokens, H_kv, D]
     kmin, kmax = keys.amin(dim=2), keys.amax(dim=2)
-    got = quest_scores(q, kmin, kmax)
+    got = quest_bounds(q, kmin, kmax, per_head=False)[:, 0]
     for b in range(2):
         for p in range(5):
             want = sum(max(float(sum(max(q[b, h * 3 + g_, d] * kmax[b, p, h, d], q[b, h * 3 + g_, d] * kmin[b, p, h, d])

@@ -8,7 +8,7 @@ attends (`pruning.attend_layer`):
     of `pruning.attend_layer`; a step that does not runs the same kernel over every page where the
     start-up probe timed it faster than SGLang's own per-request loop, else SGLang's loop, untouched.
   - CUDA (`attention_flashinfer.py`): FlashInfer, its CUDA graphs kept for steps that do not prune.
-`pruning.py` decides; this module adapts it to SGLang's pools and batches. The page store's layout
+`sgl_entropic.pruning` decides; this module adapts it to SGLang's pools and batches. The page store's layout
 follows `sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm` (per page, per KV head key
 min/max), which is not reused as code: it re-gathers every page's keys per layer from
 req_to_token, keeps fp32 copies per layer in dicts, syncs with the host (.item(), nonzero) on every

@@ -35,7 +35,8 @@ from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.plugin.self_check import run_self_check
-from sgl_entropic.pruning import StepPlan, all_pages, row_pages, to_device
+from sgl_entropic.pruning import StepPlan, all_pages, row_pages
+from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
 

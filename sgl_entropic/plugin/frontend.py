@@ -30,7 +30,8 @@ def after_to_srt_kwargs(result, sampling_params):
     return result
 
 
-def after_add_images(result, endpoint, executor, data):
+def ask_for_the_traces(result, endpoint, executor, data):
+    """After RuntimeEndpoint._add_images, the last hook it offers before it posts the request."""
     if ENTROPIC_KEY in (data["sampling_params"].get("custom_params") or {}):
         data["return_entropy"] = True
 
@@ -41,7 +42,7 @@ HOOKS = (
     # ... into the request as plain JSON custom_params ...
     Hook("sglang.lang.ir.SglSamplingParams.to_srt_kwargs", "after", after_to_srt_kwargs),
     # ... and ask for the traces (the last hook RuntimeEndpoint offers before it posts).
-    Hook("sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images", "after", after_add_images),
+    Hook("sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._add_images", "after", ask_for_the_traces),
 )
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable, Iterable, Literal
 
+from sgl_entropic.plugin import runtime
+
 logger = logging.getLogger("sgl_entropic")
 
 Process = Literal["main", "scheduler", "dp_controller", "client"]
@@ -77,8 +79,6 @@ def missing(hooks: Iterable[Hook], process: Process) -> list[str]:
 
 def report_missing(process: Process) -> list[str]:
     """The targets of this process's hooks that do not run our handler, each logged as an error."""
-    from sgl_entropic.plugin import runtime
-
     rt = runtime.installed()
     targets = missing(rt.hooks, process) if rt is not None else []
     for target in targets:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
@@ -20,12 +20,6 @@ from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
 from sgl_entropic.signal import EntropyTrace
 from sgl_entropic.speculative import DraftHits
-
-if TYPE_CHECKING:
-    from sgl_entropic.plugin.metrics import EntropicMetrics
-    from sgl_entropic.plugin.sampling_step import ControllerTable
-    from sgl_entropic.plugin.timing import HookTimes
-
 
 @dataclass(eq=False)  # identity semantics: tracked in a WeakSet
 class RequestState:
@@ -47,14 +41,15 @@ class RequestState:
 class Runtime:
     config: EntropicConfig
     hooks: tuple = ()  # the hook table registered in this process (plugin.hook_table)
-    times: Optional["HookTimes"] = None  # what the table's scheduler handlers cost per step (timing.py)
+    # The modules that fill these fields import this one, so they stay untyped here (no import cycle).
+    times: Any = None  # what the table's scheduler handlers cost per step (timing.HookTimes)
     # Scheduler process, learnt at the first request.
     dims: Optional[ModelDims] = None
     scales: Optional[Scales] = None
     kv_page_size: int = 1
     priority_sign: int = 0  # --enable-priority-scheduling: 1 low values first, -1 high first; 0 off
-    metrics: Optional["EntropicMetrics"] = None
-    controllers: Optional["ControllerTable"] = None  # per request-pool slot, on the model's device
+    metrics: Any = None  # metrics.EntropicMetrics
+    controllers: Any = None  # per request-pool slot, on the model's device (sampling_step.ControllerTable)
     pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
     probe: Any = None  # its start-up pass: self-check, crossover timings (page_planner.Probe)
@@ -92,7 +87,7 @@ class Runtime:
 _runtime: Optional[Runtime] = None
 
 
-def install(config: EntropicConfig, hooks: tuple = (), times: Optional["HookTimes"] = None) -> Runtime:
+def install(config: EntropicConfig, hooks: tuple = (), times: Any = None) -> Runtime:
     """The process's Runtime for `config` (a new one, replacing any before it)."""
     global _runtime
     _runtime = Runtime(config, hooks, times)

@@ -27,6 +27,7 @@ from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import RequestState, Runtime
 from sgl_entropic.sampling import ControllerBatch, MirostatBatch
 from sgl_entropic.signal import TokenStats, token_stats
+from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -161,14 +162,6 @@ class SamplingStep:
         # the decode budget sets the next step's counts before this one finishes (overlap scheduler)
         parked = [s.parked_before_token if s is not None else 0 for s in self.rows.states]
         return stats, PendingRecord(self.rows, host, ready, seq_lens, parked)
-
-
-def to_device(values: list, device, dtype=torch.long) -> torch.Tensor:
-    """A host list on `device` without blocking: through pinned memory when the device is a GPU."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -27,10 +27,10 @@ import torch
 from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, StepTally, record_token,
-                                               to_device)
+from sgl_entropic.plugin.sampling_step import _STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, StepTally, record_token
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
+from sgl_entropic.transfer import to_device
 from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, offered_drafts, tree_parents,
                                       tree_temperatures)
 
