@@ -187,7 +187,8 @@ def run_bench(url: str, model: str, workload: str, args, files: dict[str, Path],
     result = json.loads(out.read_text().strip().splitlines()[-1])
     result["wall_s"] = time.monotonic() - t0
     result["client_command"] = cmd
-    return {k: v for k, v in result.items() if not isinstance(v, list)}  # per-request lists stay in the file
+    # per-request lists and the server's 500-odd arguments stay in the client's file (the summary needs neither)
+    return {k: v for k, v in result.items() if not isinstance(v, list) and k != "server_info"}
 
 
 # ---------------------------------------------------------------------------- servers
