@@ -331,7 +331,8 @@ def main() -> None:
     md = markdown_table(headers, table) + "\n\nSuper-additivity (improvement over stock; higher is better):\n\n" + \
         markdown_table(["metric", "full - stock", "sum of single loops", "verdict"], superadditivity(results))
     path = write_json("ablation", {"environment": environment(), "args": vars(args), "results": results,
-                                   "runs": runs, "markdown": md, "plots": png})
+                                   "runs": runs, "markdown": md, "plots": png},
+                      publish=None if args.quick else "ablation")
     print(md)
     log_line(f"results: {path}; plots: {', '.join(png)}")
 

@@ -205,7 +205,8 @@ def main() -> None:
                "ROUGE-L vs stock"]
     md = markdown_table(headers, table)
     path = write_json("attention_pruning", {"environment": environment(), "args": vars(args), "rows": rows,
-                                            "probes": probes, "markdown": md})
+                                            "probes": probes, "markdown": md},
+                      publish=None if args.quick else "attention_pruning")
     print(md)
     log_line(f"results: {path} (median over {args.rounds} rounds, min-max in parentheses)")
 

@@ -26,6 +26,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+DOCS_DATA = ROOT / "docs" / "data"  # what the docs and benchmarks/figures.py read
 LOG_DIR = RESULTS_DIR / "logs"
 HOST = "127.0.0.1"
 CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"  # = sgl_entropic.config.CONFIG_ENV (not imported: keeps this light)
@@ -444,10 +445,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def write_json(name: str, data: dict) -> Path:
+def write_json(name: str, data: dict, publish: Optional[str] = None) -> Path:
+    """A timestamped copy in benchmarks/results/; with `publish`, also docs/data/<publish>.json, the data
+    the docs and figures read, with the command and the commit (environment) that produced it."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+    if publish:
+        data = {"command": " ".join(["python", *sys.argv]), "environment": environment(), **data}
+        (DOCS_DATA / f"{publish}.json").write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     return path
 
 

@@ -212,7 +212,8 @@ def main(argv=None) -> int:
     res = evaluate(rows, args.ema, args.max_new_tokens)
     lengths = [r["length"] for r in rows]
     path = write_json("remaining_work", {"benchmark": "remaining_work", "args": vars(args),
-                                         "environment": environment(), "results": res, "answers": rows})
+                                         "environment": environment(), "results": res, "answers": rows},
+                      publish="remaining_work")
     print(f"{len(rows)} answers, length median {np.median(lengths):.0f} (min {min(lengths)}, max {max(lengths)}), "
           f"{sum(r['capped'] for r in rows)} reached the cap of {args.max_new_tokens}\n")
     cps = [c for c in CHECKPOINTS if c < args.max_new_tokens]

@@ -345,7 +345,7 @@ def main(argv=None) -> int:
 
     res = run(args)
     out = {"benchmark": "sampling_controllers", "args": vars(args), "environment": environment(), **res}
-    path = write_json("sampling_controllers", out)
+    path = write_json("sampling_controllers", out, publish=None if args.quick else "sampling_controllers")
     print("## Entropy-stabilised sampling: fixed T (matched mean entropy) vs Mirostat v2 vs entropic\n")
     print(f"{args.prompts} chat prompts, max {args.max_tokens} new tokens (no ignore_eos), same sampling_seed per "
           f"prompt in every config{'' if args.deterministic else ' (NOT enforced: no deterministic inference, SGLang ignores the seed)'}, "

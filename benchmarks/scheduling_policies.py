@@ -367,7 +367,8 @@ def main(argv=None) -> int:
     verdicts = verdict(summary)
     path = write_json("scheduling_policies", {"benchmark": "scheduling_policies", "args": vars(args),
                                               "environment": environment(), "summary": summary,
-                                              "verdicts": verdicts, "rounds": rounds})
+                                              "verdicts": verdicts, "rounds": rounds},
+                      publish=None if args.quick else "scheduling_policies")
     print(f"## Scheduling policies, {args.rounds} round(s) in rotated order, median (min-max)\n")
     print(tables(summary, verdicts))
     print(f"JSON: {path}  (bench client outputs and server logs: {LOG_DIR.relative_to(RESULTS_DIR.parent.parent)})")

@@ -13,7 +13,6 @@ duration (batch / decode tok/s from signal_overhead.py or attention_pruning.py).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 from sgl_entropic.config import EntropicConfig, SamplingConfig  # noqa: E402
 from sgl_entropic.costs import ModelDims  # noqa: E402
@@ -77,9 +79,9 @@ def main() -> None:
     print(f"torch threads: {torch.get_num_threads()}\n\n| rows | batch | median ms/step | p90 ms/step |\n|---|---|---|---|")
     for r in rows:
         print(f"| {'plain' if not r['mix'] else 'mixed'} | {r['batch']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
-    out = Path(__file__).parent / "results" / "signal_cost.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    path = common.write_json("signal_cost", {"args": vars(args), "torch_threads": torch.get_num_threads(),
+                                             "rows": rows}, publish="signal_cost")
+    print(f"\nJSON: {path}")
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
 
     result = run(args)
     out = {"benchmark": "signal_overhead", "args": vars(args), "environment": environment(), **result}
-    path = write_json("signal_overhead", out)
+    path = write_json("signal_overhead", out, publish=None if args.quick else "signal_overhead")
     print("## Signal recording overhead (stock SGLang vs `--entropic off` + return_entropy)\n")
     print(f"{args.tokens} new tokens, greedy, ignore_eos, {args.dtype} on {args.device}, {args.repeats} repeats x "
           f"{args.rounds} round(s) (ABBA), medians.\n")

@@ -407,7 +407,8 @@ def main() -> None:
                                   retrieval_cases(rt.tokenizer, long), log_line)
     md = table(quality, retrieval)
     path = write_json("sparse_quality", {"environment": environment(), "args": vars(args), "quality": quality,
-                                         "retrieval": retrieval, "markdown": md})
+                                         "retrieval": retrieval, "markdown": md},
+                      publish=None if args.quick else "sparse_quality")
     print(md)
     log_line(f"results: {path}")
 
