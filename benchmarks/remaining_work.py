@@ -6,7 +6,7 @@ end-of-sequence p(EOS) and the entropy H_t. Do they rank remaining lengths bette
 baseline that knows only the tokens generated so far and the prompt length?
 
 Data: chat answers of natural length (no ignore_eos) from the bundled SmolLM2-135M-Instruct in
-fp32, served by our launcher with every loop off (`--entropic off`: SGLang plus the signal), to
+fp32, served by our launcher with every loop off (`--entropic signal`: SGLang plus the signal), to
 the 80 MT-Bench questions, both turns (the second turn sees the model's own first answer), sampled
 at T = --temperature, capped at --max-new-tokens (an answer that reaches the cap counts as
 length = cap: what a server with that max_new_tokens sees). Every step gives p(EOS) (SGLang's
@@ -99,7 +99,7 @@ def answers(args) -> list[dict]:
     model = args.model_path or bundled_model()
     eos = AutoTokenizer.from_pretrained(model).eos_token_id
     port = free_port()
-    cmd = ours_command(port, sglang_common_args(model, default_device(), "float32"), mode="off")
+    cmd = ours_command(port, sglang_common_args(model, default_device(), "float32"), mode="signal")
     questions = mtbench()[: args.questions]
     out: list[dict] = []
     firsts: dict[int, str] = {}

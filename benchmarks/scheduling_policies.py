@@ -7,7 +7,7 @@ latency are >= 10 % below the best SGLang policy on that workload, at equal thro
 
 Servers, one per policy and round, started one at a time with identical flags (same model, dtype,
 KV pool, chat template, --max-running-requests), each serving all three workloads in turn:
-  SGLang policies  `sgl_entropic.launch_server --entropic off --schedule-policy P` for P in fcfs,
+  SGLang policies  `sgl_entropic.launch_server --entropic signal --schedule-policy P` for P in fcfs,
                    lpm, dfs-weight, shortest-prefill-first, hrrn, lof: stock SGLang's runtime with
                    the entropy signal recorded, so every policy pays the same per-step cost;
   entropic         `sgl_entropic.launch_server --entropic scheduling`: the macro loop orders the
@@ -197,7 +197,7 @@ def run_bench(url: str, model: str, workload: str, args, files: dict[str, Path],
 def server_command(policy: str, port: int, common: list[str]) -> list[str]:
     if policy == ENTROPIC:
         return ours_command(port, common, mode="scheduling")
-    return ours_command(port, common + ["--schedule-policy", policy], mode="off")
+    return ours_command(port, common + ["--schedule-policy", policy], mode="signal")
 
 
 def check_server(policy: str, info: dict, max_running: int) -> dict:

@@ -1,4 +1,4 @@
-"""Overhead of recording the entropy signal: stock SGLang vs ours with `--entropic off`.
+"""Overhead of recording the entropy signal: stock SGLang vs ours with `--entropic signal`.
 
 Claim tested: recording H_t, surprisal, entropic time and the cost model at every decode step,
 with the traces returned (`return_entropy: true`), slows decoding by at most 3 %.
@@ -126,7 +126,7 @@ def run(args) -> dict:
             if kind == "stock":
                 cmd = stock_command(port, common)
             else:
-                cmd = ours_command(port, common, mode="off")
+                cmd = ours_command(port, common, mode="signal")
             log_line(f"round {rnd}: starting {kind}")
             with start_server(f"overhead-{kind}", cmd, port, server_env(args.device, stock=kind == "stock"),
                               args.startup_timeout) as srv:
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     result = run(args)
     out = {"benchmark": "signal_overhead", "args": vars(args), "environment": environment(), **result}
     path = write_json("signal_overhead", out, publish=None if args.quick else "signal_overhead")
-    print("## Signal recording overhead (stock SGLang vs `--entropic off` + return_entropy)\n")
+    print("## Signal recording overhead (stock SGLang vs `--entropic signal` + return_entropy)\n")
     print(f"{args.tokens} new tokens, greedy, ignore_eos, {args.dtype} on {args.device}, {args.repeats} repeats x "
           f"{args.rounds} round(s) (ABBA), medians.\n")
     print(table(result["summary"]))

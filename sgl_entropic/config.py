@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 ATTENTION_BACKEND = "entropic"  # the meso loop's attention backend, registered by the plugin
 
-Mode = Literal["off", "sampling", "scheduling", "pruning", "full"]
-MODES: tuple[str, ...] = ("off", "sampling", "scheduling", "pruning", "full")
+Mode = Literal["signal", "sampling", "scheduling", "pruning", "full"]
+MODES: tuple[str, ...] = ("signal", "sampling", "scheduling", "pruning", "full")
+# Old names still accepted: "off" never turned the signal off (it runs no loop and records the signal).
+MODE_ALIASES = {"off": "signal"}
 
 # The environment variable that carries the validated server config into every SGLang process
 # (the scheduler and detokenizer are spawned, so they inherit the launcher's environment).
@@ -50,7 +52,8 @@ class SamplingConfig(_Section):
     """
 
     controller: Literal["entropic", "mirostat_v2"] = Field(
-        "entropic", description="entropic: the rule above on H_t; mirostat_v2: the same loop on the sampled surprisal"
+        "entropic", description="entropic: T steered so that H_t tracks H*; mirostat_v2: llama.cpp's Mirostat v2 "
+        "(tokens above a surprise bound mu cut, mu steered to tau)"
     )
     target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
     eta: Optional[float] = Field(
@@ -184,6 +187,13 @@ class EntropicConfig(_Section):
     scheduling: SchedulingConfig = SchedulingConfig()
     pruning: PruningConfig = PruningConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_mode_names(cls, data):
+        if isinstance(data, dict) and data.get("mode") in MODE_ALIASES:
+            return {**data, "mode": MODE_ALIASES[data["mode"]]}
+        return data
 
     @model_validator(mode="after")
     def _every_request_needs_sampling(self) -> "EntropicConfig":

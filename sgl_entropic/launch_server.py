@@ -1,7 +1,8 @@
 """`python -m sgl_entropic.launch_server`: sglang.launch_server plus entropic decoding.
 
 Every `sglang.launch_server` flag passes through unchanged. Our own flags:
-  --entropic {off,sampling,scheduling,pruning,full}   which loops run (default: full)
+  --entropic {signal,sampling,scheduling,pruning,full}  which loops run (default: full; signal: none,
+                                                        the signal only; `off` is its old name)
   --entropic-config JSON_OR_PATH                      values for the EntropicConfig model
 With no --model-path it serves the bundled SmolLM2-135M-Instruct with CPU-friendly defaults.
 """
@@ -15,7 +16,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
-from sgl_entropic.config import CONFIG_ENV, MODES, EntropicConfig, format_error, parse_config_arg
+from sgl_entropic.config import CONFIG_ENV, MODE_ALIASES, MODES, EntropicConfig, format_error, parse_config_arg
 from sgl_entropic.server_args import (BOOLEAN_FIELDS, PRUNING_FIELDS, SPECULATIVE_FIELDS, flag, pruning_args,
                                       speculative_args, spell_flag)
 
@@ -33,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         description="SGLang server with entropic-time decoding. All sglang.launch_server flags are accepted.",
         add_help=False,  # --help falls through to SGLang's parser after ours is shown
     )
-    parser.add_argument("--entropic", choices=MODES, default=None, help="which control loops run (default: full)")
+    parser.add_argument("--entropic", choices=(*MODES, *MODE_ALIASES), default=None,
+                        help="which control loops run (default: full; signal: none, the signal only; off: signal)")
     parser.add_argument("--entropic-config", default=None, metavar="JSON_OR_PATH", help="EntropicConfig as JSON or a JSON file")
     return parser
 
@@ -47,7 +49,7 @@ def build_config(mode: Optional[str], config_arg: Optional[str], parser: argpars
         except ValueError as err:
             parser.error(f"--entropic-config: {err}")
     if mode is not None:
-        if "mode" in data and data["mode"] != mode:
+        if "mode" in data and MODE_ALIASES.get(data["mode"], data["mode"]) != MODE_ALIASES.get(mode, mode):
             parser.error(f"--entropic {mode} contradicts --entropic-config mode {data['mode']!r}")
         data["mode"] = mode
     try:

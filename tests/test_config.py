@@ -21,6 +21,24 @@ def test_defaults_round_trip_through_the_environment(monkeypatch):
     assert cfg.sampling_on and not cfg.pruning_on and not cfg.scheduling_on
 
 
+def test_the_mode_that_runs_no_loop_is_named_signal_and_off_still_means_it():
+    from sgl_entropic.launch_server import build_config
+
+    old = EntropicConfig.model_validate({"mode": "off"})
+    assert old.mode == "signal" and old == EntropicConfig(mode="signal")
+    assert not (old.sampling_on or old.scheduling_on or old.pruning_on)
+
+    class Parser:
+        def error(self, message):
+            raise ValueError(message)
+
+    assert build_config("off", '{"mode": "signal"}', Parser()).mode == "signal"  # the same mode, not a contradiction
+    with pytest.raises(ValueError, match="contradicts"):
+        build_config("off", '{"mode": "full"}', Parser())
+    with pytest.raises(ValidationError):
+        EntropicConfig.model_validate({"mode": "none"})
+
+
 def test_from_env_is_none_without_our_launcher(monkeypatch):
     monkeypatch.delenv("SGLANG_ENTROPIC_CONFIG", raising=False)
     assert EntropicConfig.from_env() is None

@@ -38,13 +38,13 @@ out["program"] = answer.run(question="Name a color.", backend=backend).get_meta_
 question = next(iter(fork_join.QUESTIONS))  # branches from concurrent threads: EngineBackend serialises them
 out["fork_join"] = fork_join.run(backend, questions={question: fork_join.QUESTIONS[question]})
 try:
-    sgl_entropic.Engine(entropic="off", dtype="float32")
+    sgl_entropic.Engine(entropic="signal", dtype="float32")
     out["refused"] = None
 except ValueError as err:
     out["refused"] = str(err)
 engine.shutdown()
 # once the first is shut down, another config in the same process works, with its own behaviour
-second = sgl_entropic.Engine(entropic="off", dtype="float32")
+second = sgl_entropic.Engine(entropic="signal", dtype="float32")
 out["signal_only"] = second.generate("Hi", {"max_new_tokens": 3, "temperature": 0}, return_entropy=True)["meta_info"]
 try:
     second.generate("Hi", {"max_new_tokens": 2, "custom_params": {"entropic": {"target_entropy": 1.0}}})
