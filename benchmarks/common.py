@@ -171,10 +171,13 @@ class Server:
         self.stop()
 
 
-def start_server(name: str, cmd: list[str], port: int, env: dict[str, str], timeout_s: float = 600) -> Server:
-    """Start `cmd` in its own process group, wait for GET /health == 200, return the Server."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+def start_server(name: str, cmd: list[str], port: int, env: dict[str, str], timeout_s: float = 600,
+                 log: Optional[Path] = None) -> Server:
+    """Start `cmd` in its own process group, wait for GET /health == 200, return the Server (the one harness of
+    the benchmarks and the tests, tests/conftest.py; its log in `log`, by default under benchmarks/results/logs)."""
+    if log is None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        log = LOG_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
     out = open(log, "w")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
@@ -193,7 +196,7 @@ def start_server(name: str, cmd: list[str], port: int, env: dict[str, str], time
         try:
             if sess.get(url + "/health", timeout=5).status_code == 200:
                 server.startup_s = time.monotonic() - t0
-                log_line(f"{name}: ready on {url} after {server.startup_s:.0f}s (log {log.relative_to(ROOT)})")
+                log_line(f"{name}: ready on {url} after {server.startup_s:.0f}s (log {log})")
                 return server
         except requests.RequestException:
             pass

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402  the benchmarks' server harness: one way to start, wait for and stop a server
+
 STARTUP_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -47,35 +41,14 @@ COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-o
 
 
 def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
-    port = _free_port()
-    out = open(log, "w")
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return Server(url, proc, log)
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"server not ready after {timeout_s}s:\n{log.read_text()[-4000:]}")
+    port = common.free_port()
+    srv = common.start_server(log.parent.name, [*cmd, "--port", str(port)], port,
+                              dict(os.environ) if env is None else env, timeout_s, log=log)
+    return Server(srv.url, srv.proc, log)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    common.Server("", "", proc, Path()).stop()
 
 
 @pytest.fixture(scope="session")
