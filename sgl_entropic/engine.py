@@ -73,7 +73,7 @@ def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, 
 
         if not torch.cuda.is_available():
             kwargs["device"] = "cpu"
-    return {**kwargs, **pruning_args(config, kwargs, spell_kwarg)}
+    return {**kwargs, **pruning_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)}
 
 
 def _activate_here(config: EntropicConfig) -> None:

@@ -10,6 +10,7 @@ With no --model-path it serves the bundled SmolLM2-135M-Instruct with CPU-friend
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Optional
@@ -17,7 +18,7 @@ from typing import Optional
 from pydantic import ValidationError
 
 from sgl_entropic.config import CONFIG_ENV, MODE_ALIASES, MODES, EntropicConfig, format_error, parse_config_arg
-from sgl_entropic.server_args import (BOOLEAN_FIELDS, PRUNING_FIELDS, SPECULATIVE_FIELDS, flag, pruning_args,
+from sgl_entropic.server_args import (PRUNING_FIELDS, SPECULATIVE_FIELDS, flag, pruning_args,
                                       speculative_args, spell_flag)
 
 # Applied only when the user did not pass the flag themselves.
@@ -94,26 +95,45 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+_UNSET = object()
+
+
+@functools.cache
+def _sglang_parser() -> argparse.ArgumentParser:
+    """SGLang's own argument parser, to read values only: every default replaced by a marker (what differs was
+    given), no choices checked (SGLang's own parse checks them later, once the plugin registered its backend)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        action.choices = None
+    parser.set_defaults(**{a.dest: _UNSET for a in parser._actions})
+    return parser
+
+
 def _given(rest: list[str], names) -> dict:
-    """SGLang's flags among `names` as the user gave them (field name -> value)."""
-    given = {}
-    for name in names:
-        if name in BOOLEAN_FIELDS:
-            if _has_flag(rest, flag(name)):
-                given[name] = True
-        elif (value := _flag_value(rest, flag(name))) is not None:
-            given[name] = _number(value)
-    return given
+    """SGLang's arguments among `names` that the user set (field name -> value), read by SGLang's own parser, so
+    that every spelling it accepts counts: aliases (--decode-context-parallel-size), --flag=value, deprecated
+    flags (--enable-dp-attention)."""
+    argv = rest if _has_flag(rest, "--model-path") else [*rest, "--model-path", "unused"]
+    ns, _ = _sglang_parser().parse_known_args(argv)
+    return {n: getattr(ns, n) for n in names if getattr(ns, n, _UNSET) is not _UNSET}
+
+
+def _as_flags(updates: dict) -> list[str]:
+    return [a for name, value in updates.items()
+            for a in ((flag(name),) if value is True else (flag(name), str(value)))]
 
 
 def map_pruning_flags(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
     """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. CUDA graphs
     stay on: dense decode steps replay SGLang's graphs, pruned ones run eager (docs/gpu.md)."""
     try:
-        updates = pruning_args(config, _given(rest, PRUNING_FIELDS), spell_flag)
+        updates = pruning_args(config, _given(rest, PRUNING_FIELDS), _device(rest), spell_flag)
     except ValueError as err:
         parser.error(str(err))
-    return rest + [a for name, value in updates.items() for a in (flag(name), str(value))]
+    return rest + _as_flags(updates)
 
 
 def map_speculative_flags(rest: list[str], config: EntropicConfig,
@@ -123,16 +143,7 @@ def map_speculative_flags(rest: list[str], config: EntropicConfig,
         config, updates = speculative_args(config, _given(rest, SPECULATIVE_FIELDS), _device(rest), spell_flag)
     except ValueError as err:
         parser.error(str(err))
-    return rest + [a for name, value in updates.items() for a in (flag(name), str(value))], config
-
-
-def _number(value: str):
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
+    return rest + _as_flags(updates), config
 
 
 def _device(argv: list[str]) -> str:
@@ -175,9 +186,15 @@ def sglang_argv(rest: list[str]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
-    if "-h" in argv or "--help" in argv:
+    if "-h" in argv or "--help" in argv:  # no model needed to read the flags
         parser.print_help()
         print("\nSGLang's own flags follow.\n")
+        from sglang.srt.server_args import ServerArgs
+
+        sglang_parser = argparse.ArgumentParser(prog="sglang.launch_server")
+        ServerArgs.add_cli_args(sglang_parser)
+        sglang_parser.print_help()
+        sys.exit(0)
     own, rest = parser.parse_known_args(argv)
     config = build_config(own.entropic, own.entropic_config, parser)
     check_sglang_version(parser)

@@ -26,12 +26,29 @@ REFUSED_WITH_SPECULATION = {
                                                   "exact already"),
     "speculative_attention_mode": ("prefill", "verification attends as an extend (the default)"),
 }
-PRUNING_FIELDS = ("attention_backend", "page_size", "disaggregation_mode", *KV_PATHS_PRUNING_CANNOT_SEE)
+# KV cache dtypes whose keys the page store bounds as written (fp8/fp4 caches have no min/max kernels there,
+# and a bound over quantized codes is not a bound over the dequantized keys)
+PLAIN_KV_DTYPES = (None, "auto", "bf16", "bfloat16")
+# flag -> (its neutral value, why pruning cannot serve any other)
+REFUSED_WITH_PRUNING = {
+    "enable_dp_attention": (False, "the backend decides graph or eager per rank, where DP attention needs one "
+                                   "decision across ranks"),
+    "attn_dp_size": (1, "the backend decides graph or eager per rank, where DP attention needs one decision "
+                        "across ranks"),
+    "dcp_size": (1, "decode context parallelism splits a request's KV pages across ranks; the page plan is "
+                    "per request"),
+    "pp_size": (1, "the page store numbers layers from 0, a pipeline stage holds only its own"),
+}
+PRUNING_FIELDS = ("attention_backend", "page_size", "disaggregation_mode", "kv_cache_dtype",
+                  "disable_prefill_cuda_graph", "cuda_graph_backend_prefill", *KV_PATHS_PRUNING_CANNOT_SEE,
+                  *REFUSED_WITH_PRUNING)
 
 
-def pruning_args(config: EntropicConfig, args: Mapping[str, Any], spell: Spell) -> dict[str, Any]:
+def pruning_args(config: EntropicConfig, args: Mapping[str, Any], device: str, spell: Spell) -> dict[str, Any]:
     """SGLang arguments pruning sets: the entropic attention backend over KV pages of pruning.page_size
-    tokens (a selected page is one physical page); ValueError for what would go stale or bypass it."""
+    tokens (a selected page is one physical page), and on CUDA no prefill CUDA graphs (a replayed extend
+    skips the backend's metadata step, where deferred page bounds are folded before new keys land);
+    ValueError for what would go stale, bypass the page bounds, or split what the plan needs whole."""
     if not config.pruning_on:
         return {}
     mode, updates = f"--entropic {config.mode}", {}
@@ -56,6 +73,25 @@ def pruning_args(config: EntropicConfig, args: Mapping[str, Any], spell: Spell) 
         raise ValueError(f"{mode} prunes from page bounds written with the KV, and "
                          f"{spell('disaggregation_mode', disaggregation)} transfers KV between servers without them; "
                          "drop one (or use --entropic sampling|scheduling)")
+    for name, (neutral, why) in REFUSED_WITH_PRUNING.items():
+        if name in args and args[name] not in (None, neutral):
+            raise ValueError(f"{spell(name, args[name])} with {mode}: not served ({why}); drop it or use "
+                             "--entropic sampling|scheduling")
+    if args.get("kv_cache_dtype") not in PLAIN_KV_DTYPES:
+        raise ValueError(f"{spell('kv_cache_dtype', args['kv_cache_dtype'])} with {mode}: the page store bounds "
+                         "keys as written, and a quantized cache's codes give no bound on its keys; use a bf16 "
+                         "cache or --entropic sampling|scheduling")
+    if device == "cuda":
+        p = config.pruning.page_size
+        if p & (p - 1):
+            raise ValueError(f"pruning.page_size {p} on CUDA: the Triton page kernels need a power of two")
+        prefill_graphs = args.get("cuda_graph_backend_prefill")
+        if prefill_graphs not in (None, "disabled"):
+            raise ValueError(f"{spell('cuda_graph_backend_prefill', prefill_graphs)} with {mode}: a replayed "
+                             "prefill skips the step where the page store folds deferred bounds before new keys "
+                             "are written; drop it (decode CUDA graphs stay on)")
+        if not args.get("disable_prefill_cuda_graph"):
+            updates["disable_prefill_cuda_graph"] = True
     return updates
 
 
@@ -126,5 +162,3 @@ def spell_kwarg(name: str, value: Any) -> str:
 
 SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend", "tp_size",
                       "pp_size", *REFUSED_WITH_SPECULATION)
-BOOLEAN_FIELDS = frozenset({"speculative_adaptive", "speculative_use_rejection_sampling",
-                            "speculative_use_block_verification", *KV_PATHS_PRUNING_CANNOT_SEE})

@@ -42,7 +42,8 @@ sglang.srt.utils.kill_process_tree = lambda *a, **k: None
 model = str(bundled_model_path())
 launch_server.main(["--model-path", model, "--device", "cuda"])
 engine = ServerArgs(**_engine_kwargs(EntropicConfig(mode="full"), {"model_path": model, "device": "cuda"}))
-print(json.dumps({name: {k: getattr(a, k) for k in ("disable_cuda_graph", "attention_backend", "page_size")}
+print(json.dumps({name: {k: getattr(a, k) for k in ("disable_cuda_graph", "disable_prefill_cuda_graph",
+                                                     "attention_backend", "page_size")}
                   for name, a in (("launcher", seen["launcher"]), ("engine", engine))}))
 """
 
@@ -53,7 +54,9 @@ def test_the_launcher_and_the_engine_keep_cuda_graphs(model_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     received = json.loads(proc.stdout.strip().splitlines()[-1])
     for who in ("launcher", "engine"):
-        assert received[who] == {"disable_cuda_graph": False, "attention_backend": "entropic", "page_size": 16}, who
+        # decode graphs stay; prefill graphs go (a replayed extend would skip the page store's fold)
+        assert received[who] == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
+                                 "attention_backend": "entropic", "page_size": 16}, who
 
 
 @pytest.mark.parametrize("field", sorted(KV_PATHS_PRUNING_CANNOT_SEE))
@@ -65,6 +68,27 @@ def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(fiel
     with pytest.raises(ValueError, match=field):
         _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", field: True})
     _engine_kwargs(EntropicConfig(mode="scheduling"), {"model_path": "m", "device": "cuda", field: True})
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"dcp_size": 2}, "dcp_size=2"), ({"attn_dp_size": 2}, "attn_dp_size=2"),
+    ({"enable_dp_attention": True}, "enable_dp_attention=True"), ({"pp_size": 2}, "pp_size=2"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2'"),
+    ({"cuda_graph_backend_prefill": "full"}, "cuda_graph_backend_prefill='full'"),
+])
+def test_what_splits_the_page_plan_or_hides_the_keys_is_refused_with_pruning(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", **kwargs})
+    _engine_kwargs(EntropicConfig(mode="sampling"), {"model_path": "m", "device": "cuda", **kwargs})  # no pruning
+
+
+def test_pruning_on_cuda_needs_a_power_of_two_page_and_no_prefill_graphs():
+    config = EntropicConfig.model_validate({"mode": "full", "pruning": {"page_size": 24}})
+    with pytest.raises(ValueError, match="power of two"):
+        _engine_kwargs(config, {"model_path": "m", "device": "cuda"})
+    assert _engine_kwargs(config, {"model_path": "m", "device": "cpu"})["page_size"] == 24  # the CPU kernel takes any
+    assert _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cuda"})["disable_prefill_cuda_graph"]
+    assert "disable_prefill_cuda_graph" not in _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cpu"})
 
 
 def test_pd_disaggregation_is_refused_with_pruning():

@@ -428,6 +428,16 @@ def _launcher_cases():
         (["--entropic", "pruning", "--enable-hisparse"], "--enable-hisparse"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),  # the default mode, full, prunes
         (["--entropic", "full", "--disaggregation-mode=prefill"], "--disaggregation-mode prefill"),
+        # what splits the page plan, or bounds keys it cannot see (server_args.pruning_args), in any spelling
+        # SGLang's parser accepts
+        (["--decode-context-parallel-size", "2"], "--dcp-size 2"),
+        (["--attn-dp-size", "2"], "--attn-dp-size 2"),
+        (["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
+        (["--pipeline-parallel-size", "2"], "--pp-size 2"),
+        (["--kv-cache-dtype=fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+        (["--device", "cuda", "--cuda-graph-backend-prefill", "breakable"], "--cuda-graph-backend-prefill breakable"),
+        (["--device", "cuda", "--page-size", "12", "--entropic-config", '{"pruning": {"page_size": 12}}'],
+         "power of two"),
         # speculative decoding: only what the plugin verifies exactly (server_args.speculative_args)
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
         (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
@@ -487,6 +497,17 @@ def test_launcher_refuses_bad_config_files_with_exit_2(tmp_path, content, needle
     path = tmp_path / "entropic.json"
     path.write_text(content)
     assert needle in _refused(["--entropic-config", str(path)], capsys)
+
+
+def test_help_lists_ours_and_sglangs_flags_without_preparing_a_model(capsys, monkeypatch):
+    import sgl_entropic.model
+    from sgl_entropic.launch_server import main
+
+    monkeypatch.setattr(sgl_entropic.model, "prepare_bundled_model", lambda: pytest.fail("--help prepared the model"))
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and "--entropic-config" in out and "--speculative-algorithm" in out
 
 
 def test_launcher_refuses_a_directory_as_config_file(tmp_path, capsys):
