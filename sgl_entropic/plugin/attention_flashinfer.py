@@ -93,7 +93,8 @@ class FlashInferSparse:
                                 .flatten().to(torch.int32))
         # indptr and last page lengths as host tensors: FlashInfer plans from host copies, no read back
         indptr = torch.tensor(offsets, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.wrapper.plan(indptr, self.indices[:total], torch.ones(len(counts), dtype=torch.int32),
+        last_page_len = torch.ones(len(counts), dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.wrapper.plan(indptr, self.indices[:total], last_page_len,
                           self.heads_q // lists, self.heads_kv // lists, self.head_dim, 1,
                           q_data_type=self.q_type, kv_data_type=self.kv_type)
         self.plan = plan

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from sgl_entropic.transfer import to_device
+
 
 class PageStore:
     def __init__(self, num_layers: int, kv_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype,
@@ -60,7 +62,7 @@ class PageStore:
         rows = [i for i, p in enumerate(produces) if p]  # a middle prefill chunk's token is thrown away
         if not rows:
             return
-        idx = torch.tensor(rows, device=stats.surprisal.device)
+        idx = to_device(rows, stats.surprisal.device)  # through pinned memory, without blocking
         slots = req_pool_indices.to(self.next_surprisal.device)[idx.to(self.next_surprisal.device)]
         value = torch.where(stats.valid[idx], stats.surprisal[idx].float(), math.nan)
         self.next_surprisal[slots] = value.to(self.next_surprisal.device)
