@@ -197,6 +197,43 @@ def test_the_cuda_path_passes_the_self_check_and_plans_once_without_reading_the_
     assert indptr.tolist()[-1] == sum(r.kept_tokens for r in rows) * lists and (qo_heads, kv_heads) == (9 // lists, 3 // lists)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_cuda_path_keeps_the_pages_the_cpu_kernel_keeps(flashinfer_sparse, per_head):
+    """Parity of the page choice on the same KV: the CUDA path's selection (its Triton kernels' torch
+    references, the shared second-stage ranking `pruning.shortlist_mass`) against the CPU kernel's
+    `attend_rows`, row by row and list by list, on peaky attention where the fixed pages' share of each
+    head's mass differs between heads (a ranking by a softmax over the shortlist alone picks other pages)."""
+    import math
+
+    import torch
+
+    from sgl_entropic.config import PruningConfig
+    from sgl_entropic.plugin.page_store import PageStore
+    from sgl_entropic.pruning import StepPlan, attend_rows, row_pages
+
+    cfg = PruningConfig(min_context=0, per_head=per_head, max_keep_ratio=0.2, min_keep_ratio=0.2, shortlist_ratio=0.5)
+    gen = torch.Generator().manual_seed(7)
+    pages, p, heads_kv, dim = 600, 16, 3, 64
+    k = torch.randn(pages * p, heads_kv, dim, generator=gen)
+    v = torch.randn(pages * p, heads_kv, dim, generator=gen)
+    store = PageStore(1, pages * p, p, heads_kv, dim, torch.float32, "cpu", 1, with_surprisal=False)
+    store.write_keys(0, torch.arange(pages * p), k)
+    lengths = (3000, 1700, 2400, 900, 2600, 1333)
+    rows = [row_pages(n, math.nan, cfg) for n in lengths]
+    table = torch.stack([torch.randperm(pages, generator=gen)[:188] for _ in rows])
+    q = 3.0 * torch.randn(len(rows), 9, dim, generator=gen)
+    plan = StepPlan.build(rows, table, per_head=per_head)
+    assert plan.two_stage
+    _, cpu_kept = attend_rows(q, k, v, plan, store.kmin[0], store.kmax[0], 0.125)
+    sparse = flashinfer_sparse.FlashInferSparse(None, (9, heads_kv, dim), (torch.float32,) * 2, p, per_head)
+    sparse.begin(plan)
+    gpu_kept = sparse.select(q, k, store.kmin[0], store.kmax[0], 0.125)
+    assert cpu_kept.shape == gpu_kept.shape
+    for b, r in enumerate(rows):
+        for lst in range(cpu_kept.shape[1]):
+            assert sorted(cpu_kept[b, lst, : r.keep].tolist()) == sorted(gpu_kept[b, lst, : r.keep].tolist()), (b, lst)
+
+
 def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashinfer_sparse, monkeypatch):
     """The CUDA backend's own per-step path, SGLang's FlashInfer parts stubbed (no GPU here): its
     init_forward_metadata (plan, FlashInfer plan), every layer's selection and slot writes as its

@@ -35,7 +35,7 @@ from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.plugin.self_check import run_self_check
-from sgl_entropic.pruning import StepPlan, all_pages, row_pages
+from sgl_entropic.pruning import StepPlan, all_pages, fixed_lse, row_pages, shortlist_mass
 from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
@@ -122,9 +122,8 @@ class FlashInferSparse:
                 short = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices
                 phys = plan.page_table.gather(1, short.flatten(1)).view_as(short)
                 lse = page_lse_triton(q, k_cache, phys, p, scale)  # [B, H_kv, G, S]
-                lse = lse.masked_fill(~plan.shortlist_valid[:, None, None], -math.inf)
-                mass = torch.softmax(lse, dim=-1).sum(dim=2)  # [B, H_kv, S]
-                mass = mass if self.per_head else mass.sum(dim=1, keepdim=True)
+                # the CPU kernel's ranking: one softmax over the fixed pages and the shortlist
+                mass = shortlist_mass(lse, fixed_lse(q, k_cache, plan, scale), plan.shortlist_valid, self.per_head)
                 pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(k_cols, dim=-1).indices
                 kept = short.gather(-1, pick)
             else:

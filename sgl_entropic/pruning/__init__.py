@@ -62,13 +62,14 @@ once, padded to the widest row and masked.
 
 from sgl_entropic.pruning.budget import (AGGREGATES, DEFAULT_AGGREGATE, DEFAULT_REFERENCE_ENTROPY, RowPages, all_pages,
                                          keep_ratio, num_pages, reference_entropy_for_vocab, row_pages)
-from sgl_entropic.pruning.kernel import attend_layer, attend_rows, gather_pages, take_rows
+from sgl_entropic.pruning.kernel import attend_layer, attend_rows, fixed_lse, gather_pages, take_rows
 from sgl_entropic.pruning.plan import StepPlan
 from sgl_entropic.pruning.reference import sparse_decode_attention
-from sgl_entropic.pruning.scores import quest_bounds, surprisal_scores
+from sgl_entropic.pruning.scores import quest_bounds, shortlist_mass, surprisal_scores
 
 __all__ = [
     "AGGREGATES", "DEFAULT_AGGREGATE", "DEFAULT_REFERENCE_ENTROPY", "RowPages", "StepPlan", "all_pages",
-    "attend_layer", "attend_rows", "gather_pages", "keep_ratio", "num_pages", "quest_bounds",
-    "reference_entropy_for_vocab", "row_pages", "sparse_decode_attention", "surprisal_scores", "take_rows",
+    "attend_layer", "attend_rows", "fixed_lse", "gather_pages", "keep_ratio", "num_pages", "quest_bounds",
+    "reference_entropy_for_vocab", "row_pages", "shortlist_mass", "sparse_decode_attention", "surprisal_scores",
+    "take_rows",
 ]

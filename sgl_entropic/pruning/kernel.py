@@ -26,6 +26,15 @@ def gather_pages(cache_pages: torch.Tensor, physical: torch.Tensor) -> torch.Ten
     return cache_pages[physical, :, heads]
 
 
+def fixed_lse(q: torch.Tensor, k_cache: torch.Tensor, plan: StepPlan, scale: float) -> torch.Tensor:
+    """`[B, H_kv, G]` float32: per query head, logsumexp of scale * q.k over the fixed pages' real tokens."""
+    batch, heads_q, dim = q.shape
+    heads_kv = k_cache.shape[1]
+    keys = gather_pages(k_cache.view(-1, plan.page_size, heads_kv, dim), plan.fixed_pages[:, None]).float()
+    logits = (q.float().view(batch, heads_kv, heads_q // heads_kv, dim) @ keys.flatten(2, 3).transpose(-1, -2)) * scale
+    return logits.masked_fill(~plan.fixed_tokens.flatten(1)[:, None, None], -_INF).logsumexp(dim=-1)
+
+
 def attend_layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                  kmin: Optional[torch.Tensor], kmax: Optional[torch.Tensor], scale: float
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -95,6 +104,7 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     logits = logits.masked_fill(~tokens.flatten(1)[:, None, None], -_INF)
     weights = torch.softmax(logits, dim=-1)  # [B, H_kv, G, (F + X) * P]
     if kept is None and plan.keep_valid.shape[1]:  # two stages: keep the heaviest shortlisted pages
+        # scores.shortlist_mass, read off the weights (the CUDA path computes it from per-page logsumexps)
         mass = weights.view(batch, heads_kv, group, -1, p)[:, :, :, cols:].sum(dim=-1)  # [B, H_kv, G, S]
         mass = mass.sum(dim=2) if lists > 1 else mass.sum(dim=(1, 2))[:, None]
         k_cols = plan.keep_valid.shape[1]

@@ -24,6 +24,22 @@ def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_he
     return bound if per_head else bound.sum(dim=1, keepdim=True)
 
 
+def shortlist_mass(lse_pages: torch.Tensor, lse_fixed: torch.Tensor, shortlist_valid: torch.Tensor,
+                   per_head: bool) -> torch.Tensor:
+    """The second stage's ranking (package doc), one definition for every device: `[B, L, S]`, each
+    shortlisted page's attention mass under one softmax per query head over the fixed pages' tokens and the
+    shortlist's, summed over the query heads a list serves (L = H_kv per head, else 1, all heads).
+
+    lse_pages `[B, H_kv, G, S]`: per page and query head, logsumexp of its tokens' logits; lse_fixed
+    `[B, H_kv, G]`: the same over the fixed pages' real tokens. The CPU kernel (`kernel.attend_rows`) reads
+    the same masses off the softmax weights it reuses for the attention; the CUDA path computes them here.
+    """
+    lse_pages = lse_pages.masked_fill(~shortlist_valid[:, None, None], -_INF)
+    total = torch.logaddexp(lse_fixed, torch.logsumexp(lse_pages, dim=-1))  # [B, H_kv, G]
+    mass = torch.exp(lse_pages - total[..., None]).sum(dim=2)  # [B, H_kv, S]
+    return mass if per_head else mass.sum(dim=1, keepdim=True)
+
+
 def _check_aggregate(aggregate: str) -> None:
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
