@@ -192,14 +192,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--output", default=str(DATA))
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 requests each, 32 tokens")
-    ap.add_argument("--summarize", metavar="PARTIAL_JSON",
-                    help="write the table from a run cut short (its partial file), over the rounds it finished")
+    ap.add_argument("--summarize", metavar="RUN_JSON",
+                    help="write the table again from a run's file (a partial one: over the rounds it finished)")
+    ap.add_argument("--exclude", nargs="*", default=[], metavar="ROUND:CONFIG:WORKLOAD:CONCURRENCY",
+                    help="with --summarize: runs left out of the table (kept in the JSON under 'excluded')")
+    ap.add_argument("--why", default="", help="with --exclude: the reason, recorded in the JSON")
     args = ap.parse_args()
     if args.summarize:
         partial = json.loads(Path(args.summarize).read_text())
         old = argparse.Namespace(**partial["args"])
-        return finish(partial["runs"], old, old.configs.split(","), old.workloads.split(","),
-                      [int(c) for c in old.concurrency.split(",")], cut_short=args.summarize)
+        drop = {tuple(e.split(":")) for e in args.exclude}
+        key = lambda r: (str(r["round"]), r["config"], r["workload"], str(r["concurrency"]))  # noqa: E731
+        runs = [r for r in partial["runs"] if key(r) not in drop]
+        excluded = {"why": args.why, "runs": [r for r in partial["runs"] if key(r) in drop]} if drop else None
+        return finish(runs, old, old.configs.split(","), old.workloads.split(","),
+                      [int(c) for c in old.concurrency.split(",")], source=args.summarize, excluded=excluded)
     if args.quick:
         args.rounds = 1
         for w in SIZES:
@@ -246,14 +253,16 @@ def main() -> None:
 
 
 def finish(runs: list[dict], args, configs: list[str], workloads: list[str], concurrencies: list[int],
-           cut_short: Optional[str] = None) -> None:
+           source: Optional[str] = None, excluded: Optional[dict] = None) -> None:
     summary, text = summarize(runs, configs, workloads, concurrencies)
     data = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "environment": common.environment(),
             "args": vars(args), "configs": configs, "sizes": SIZES, "output_len": OUTPUT_LEN, "summary": summary,
             "runs": runs, "markdown": text}
-    if cut_short:  # say which rounds each configuration finished
-        data["cut_short"] = {"partial": Path(cut_short).name, "rounds_done": {
+    if source:  # a table written again from a run's file: which rounds each configuration has
+        data["summarized_from"] = {"file": Path(source).name, "rounds_done": {
             c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs}}
+    if excluded:
+        data["excluded"] = excluded
     out = Path(args.output)
     out.write_text(json.dumps(common._clean(data), indent=1) + "\n")
     print(text)
