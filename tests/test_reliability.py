@@ -450,7 +450,8 @@ def _launcher_cases():
          "--speculative-ngram-max-bfs-breadth 3"),  # full prunes: KV pages of 16 tokens take chains only
         (["--entropic", "sampling", "--speculative-algorithm", "NGRAM", "--attention-backend", "torch_native",
           "--device", "cpu"], "--attention-backend torch_native"),
-        (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "--tp-size 2"),
+        (["--speculative-algorithm", "NGRAM", "--tp-size", "2", "--entropic-config",
+          '{"speculative": {"draft": "entropy"}}'], "--tp-size 2"),
         (["--speculative-algorithm", "NGRAM", "--pp-size", "2"], "--pp-size 2"),
         (["--speculative-algorithm", "NGRAM", "--entropic-config", '{"sampling": {"controller": "mirostat_v2"}}'],
          "mirostat_v2"),
