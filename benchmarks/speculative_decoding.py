@@ -259,8 +259,10 @@ def finish(runs: list[dict], args, configs: list[str], workloads: list[str], con
             "args": vars(args), "configs": configs, "sizes": SIZES, "output_len": OUTPUT_LEN, "summary": summary,
             "runs": runs, "markdown": text}
     if source:  # a table written again from a run's file: which rounds each configuration has
-        data["summarized_from"] = {"file": Path(source).name, "rounds_done": {
-            c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs}}
+        run = json.loads(Path(source).read_text())
+        data["summarized_from"] = {
+            "file": Path(source).name, "run_command": run.get("command"), "run_environment": run.get("environment"),
+            "rounds_done": {c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs}}
     if excluded:
         data["excluded"] = excluded
     out = Path(args.output)
