@@ -130,6 +130,12 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         pass
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Stop a server started here: its whole process group, and forget it."""
+    _kill_group(proc)
+    _live.pop(proc.pid, None)
+
+
 def _kill_all_live() -> None:
     for proc in list(_live.values()):
         _kill_group(proc, grace_s=10.0)
@@ -154,8 +160,7 @@ class Server:
     startup_s: float = 0.0
 
     def stop(self) -> None:
-        _kill_group(self.proc)
-        _live.pop(self.proc.pid, None)
+        stop_process(self.proc)
 
     def info(self) -> dict:
         try:
@@ -455,7 +460,10 @@ def write_json(name: str, data: dict, publish: Optional[str] = None) -> Path:
     path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
     if publish:
-        data = {"command": " ".join(["python", *sys.argv]), "environment": environment(), **data}
+        head = {"command": " ".join(["python", *sys.argv])}
+        if "environment" not in data:  # most benchmarks record it already
+            head["environment"] = environment()
+        data = {**head, **data}
         (DOCS_DATA / f"{publish}.json").write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     return path
 

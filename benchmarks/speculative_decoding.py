@@ -206,7 +206,7 @@ def main() -> None:
         runs = [r for r in partial["runs"] if key(r) not in drop]
         excluded = {"why": args.why, "runs": [r for r in partial["runs"] if key(r) in drop]} if drop else None
         return finish(runs, old, old.configs.split(","), old.workloads.split(","),
-                      [int(c) for c in old.concurrency.split(",")], source=args.summarize, excluded=excluded)
+                      [int(c) for c in old.concurrency.split(",")], source=(args.summarize, partial), excluded=excluded)
     if args.quick:
         args.rounds = 1
         for w in SIZES:
@@ -253,15 +253,16 @@ def main() -> None:
 
 
 def finish(runs: list[dict], args, configs: list[str], workloads: list[str], concurrencies: list[int],
-           source: Optional[str] = None, excluded: Optional[dict] = None) -> None:
+           source: Optional[tuple[str, dict]] = None, excluded: Optional[dict] = None) -> None:
+    """The table and the JSON; `source`: (path, contents) of the run's file when written again from it."""
     summary, text = summarize(runs, configs, workloads, concurrencies)
     data = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "environment": common.environment(),
             "args": vars(args), "configs": configs, "sizes": SIZES, "output_len": OUTPUT_LEN, "summary": summary,
             "runs": runs, "markdown": text}
     if source:  # a table written again from a run's file: which rounds each configuration has
-        run = json.loads(Path(source).read_text())
+        path, run = source
         data["summarized_from"] = {
-            "file": Path(source).name, "run_command": run.get("command"), "run_environment": run.get("environment"),
+            "file": Path(path).name, "run_command": run.get("command"), "run_environment": run.get("environment"),
             "rounds_done": {c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs}}
     if excluded:
         data["excluded"] = excluded

@@ -127,8 +127,8 @@ def _as_flags(updates: dict) -> list[str]:
 
 
 def map_pruning_flags(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
-    """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. CUDA graphs
-    stay on: dense decode steps replay SGLang's graphs, pruned ones run eager (docs/gpu.md)."""
+    """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. Decode CUDA
+    graphs stay on (dense steps replay them, pruned ones run eager); prefill graphs go on CUDA (docs/gpu.md)."""
     try:
         updates = pruning_args(config, _given(rest, PRUNING_FIELDS), _device(rest), spell_flag)
     except ValueError as err:

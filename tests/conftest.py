@@ -48,7 +48,7 @@ def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: 
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    common.Server("", "", proc, Path()).stop()
+    common.stop_process(proc)
 
 
 @pytest.fixture(scope="session")
