@@ -42,10 +42,11 @@ def _token_stats_kernel(
     inv_t = tl.load(inv_temperature_ptr + row).to(tl.float32)
     offsets = tl.arange(0, BLOCK_V)
 
-    running_max = -float("inf")
-    s = 0.0
-    t = 0.0
-    bad_entries = 0
+    # typed loop-carried values: Python scalars would fix their types from the literals
+    running_max = tl.full([], -float("inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    t = tl.zeros([], tl.float32)
+    bad_entries = tl.zeros([], tl.int32)
     for start in range(0, vocab, BLOCK_V):
         in_row = start + offsets < vocab
         z = tl.load(row_ptr + start + offsets, mask=in_row, other=-float("inf"))

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_entropic.pruning import quest_bounds
+from sgl_entropic.pruning import Stages, quest_bounds
 
 _BLOCK_N = 64  # pages per program (stage 1)
 
@@ -61,9 +61,11 @@ def page_bounds_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, 
     heads_kv = kmin.shape[1]
     width = page_table.shape[1]
     out = torch.empty(batch, heads_kv if per_head else 1, width, dtype=torch.float32, device=q.device)
+    if page_table.stride(1) != 1:  # rows may be strided (a slice of a wider table); entries must be adjacent
+        page_table = page_table.contiguous()
     if batch and width:
         _page_bounds_kernel[(batch, triton.cdiv(width, _BLOCK_N))](
-            q.contiguous(), kmin, kmax, page_table.contiguous(), page_table.stride(0), width, out,
+            q.contiguous(), kmin.contiguous(), kmax.contiguous(), page_table, page_table.stride(0), width, out,
             H_KV=heads_kv, GROUP=heads_q // heads_kv, D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=_BLOCK_N,
             PER_HEAD=per_head)
     return out
@@ -103,13 +105,15 @@ def page_lse_triton(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor,
     head h and query head g of its group, logsumexp over the page's tokens of scale * q.k (k_cache
     `[slots, H_kv, D]`, slot = page * page_size + offset; every token of a shortlisted page is real:
     candidates are full pages)."""
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_lse_triton: page_size must be a power of two (tl.arange), got {page_size}")
     batch, heads_q, dim = q.shape
     heads_kv = k_cache.shape[1]
     lists, shortlist = pages.shape[1], pages.shape[2]
     out = torch.empty(batch, heads_kv, heads_q // heads_kv, shortlist, dtype=torch.float32, device=q.device)
     if batch and shortlist:
         _page_lse_kernel[(batch, shortlist)](
-            q.contiguous(), k_cache, pages.contiguous(), shortlist, out, scale,
+            q.contiguous(), k_cache.contiguous(), pages.contiguous(), shortlist, out, scale,
             H_KV=heads_kv, GROUP=heads_q // heads_kv, D=dim, BLOCK_D=triton.next_power_of_2(dim), P=page_size,
             LISTS=lists)
     return out
@@ -124,3 +128,7 @@ def page_lse_reference(q, k_cache, pages, page_size: int, scale: float) -> torch
     qg = q.float().view(batch, heads_kv, heads_q // heads_kv, 1, 1, dim)
     logits = (qg * keys[:, :, None]).sum(-1) * scale  # [B, H_kv, G, S, P]
     return torch.logsumexp(logits, dim=-1)
+
+
+TRITON_STAGES = Stages(page_bounds_triton, page_lse_triton)
+REFERENCE_STAGES = Stages(page_bounds_reference, page_lse_reference)

@@ -153,8 +153,7 @@ def flashinfer_sparse(monkeypatch):
     import sgl_entropic.plugin.attention_flashinfer as fi
     from sgl_entropic.kernels import page_scores
 
-    monkeypatch.setattr(fi, "page_bounds_triton", page_scores.page_bounds_reference)
-    monkeypatch.setattr(fi, "page_lse_triton", page_scores.page_lse_reference)
+    monkeypatch.setattr(fi, "TRITON_STAGES", page_scores.REFERENCE_STAGES)
     return fi
 
 

@@ -30,12 +30,12 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
 from sgl_entropic.config import PruningConfig
 from sgl_entropic.crossover import CONTEXTS, crossover, measure
-from sgl_entropic.kernels.page_scores import page_bounds_triton, page_lse_triton
+from sgl_entropic.kernels.page_scores import TRITON_STAGES
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.plugin.self_check import run_self_check
-from sgl_entropic.pruning import StepPlan, all_pages, fixed_lse, row_pages, shortlist_mass
+from sgl_entropic.pruning import StepPlan, all_pages, row_pages, select_pages
 from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
@@ -110,24 +110,8 @@ class FlashInferSparse:
                scale: float) -> torch.Tensor:
         """This layer's kept pages (logical `[B, L, K]`), their slots written into the plan's index buffer."""
         plan, p = self.plan, self.page_size
-        batch = q.shape[0]
-        q = q.view(batch, self.heads_q, self.head_dim)
-        if plan.chosen is not None:
-            kept = plan.chosen
-        else:
-            bound = page_bounds_triton(q, kmin, kmax, self.page_table_i32, self.per_head)
-            bound = bound.masked_fill(~plan.candidate[:, None], -math.inf)
-            k_cols = plan.keep_valid.shape[1]
-            if plan.two_stage:
-                short = bound.topk(plan.shortlist_valid.shape[1], dim=-1).indices
-                phys = plan.page_table.gather(1, short.flatten(1)).view_as(short)
-                lse = page_lse_triton(q, k_cache, phys, p, scale)  # [B, H_kv, G, S]
-                # the CPU kernel's ranking: one softmax over the fixed pages and the shortlist
-                mass = shortlist_mass(lse, fixed_lse(q, k_cache, plan, scale), plan.shortlist_valid, self.per_head)
-                pick = mass.masked_fill(~plan.shortlist_valid[:, None], -1.0).topk(k_cols, dim=-1).indices
-                kept = short.gather(-1, pick)
-            else:
-                kept = bound.topk(k_cols, dim=-1).indices
+        q = q.view(q.shape[0], self.heads_q, self.head_dim)
+        kept = select_pages(TRITON_STAGES, q, k_cache, kmin, kmax, plan, self.page_table_i32, scale)
         phys = plan.page_table.gather(1, kept.flatten(1)).view_as(kept)
         slots = (phys[..., None] * p + torch.arange(p, device=phys.device)).flatten(2)  # [B, L, K * p]
         lists = self.heads_kv if self.per_head else 1

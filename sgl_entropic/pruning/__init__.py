@@ -2,7 +2,8 @@
 
 Modules: `budget` (how many pages a row keeps), `plan` (a step's tensors, built once), `scores`
 (the bound and the surprisal score), `kernel` (the batched CPU attention over the selected pages),
-`reference` (plain math it must equal).
+`select` (the same selection without the attention, as the CUDA path runs it), `reference` (plain
+math it must equal).
 
 A request's context is cut into pages of `page_size` tokens, the same pages as SGLang's paged
 KV cache (the launcher runs SGLang with `--page-size` = `pruning.page_size`, so logical page j
@@ -21,7 +22,8 @@ Which candidates (`PruningConfig.selector`)
      per request (`per_head` off) the KV heads reduce by sum. The bound shortlists the
      `shortlist_ratio` share of the candidates with the highest bounds.
   2. Exact scores. The shortlisted pages' keys give the exact logits; each page's attention mass
-     (softmax per query head over the shortlist, summed over the query heads the list serves)
+     (softmax per query head over the fixed pages and the shortlist, summed over the query heads the
+     list serves)
      ranks them, and the `keep` heaviest are attended, their logits reused. Without a shortlist
      (`shortlist_ratio` None) the bound picks the kept pages itself.
 - "surprisal": the paper's method: page score = max surprisal of its tokens, the same pages on
@@ -66,10 +68,11 @@ from sgl_entropic.pruning.kernel import attend_layer, attend_rows, fixed_lse, ga
 from sgl_entropic.pruning.plan import StepPlan
 from sgl_entropic.pruning.reference import sparse_decode_attention
 from sgl_entropic.pruning.scores import quest_bounds, shortlist_mass, surprisal_scores
+from sgl_entropic.pruning.select import Stages, select_pages
 
 __all__ = [
-    "AGGREGATES", "DEFAULT_AGGREGATE", "DEFAULT_REFERENCE_ENTROPY", "RowPages", "StepPlan", "all_pages",
+    "AGGREGATES", "DEFAULT_AGGREGATE", "DEFAULT_REFERENCE_ENTROPY", "RowPages", "Stages", "StepPlan", "all_pages",
     "attend_layer", "attend_rows", "fixed_lse", "gather_pages", "keep_ratio", "num_pages", "quest_bounds",
-    "reference_entropy_for_vocab", "row_pages", "shortlist_mass", "sparse_decode_attention", "surprisal_scores",
+    "reference_entropy_for_vocab", "row_pages", "select_pages", "shortlist_mass", "sparse_decode_attention", "surprisal_scores",
     "take_rows",
 ]
