@@ -39,7 +39,7 @@ print(f"peak memory bandwidth: {spec:.0f} GB/s from the memory clock and bus wid
       f"{copy:.0f} GB/s measured by a device-to-device copy (read + write)")
 PY
 status=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_page_scores_kernel.py tests/test_entropy_kernel.py 2>&1 \
+python3 -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/test_page_scores_kernel.py tests/test_entropy_kernel.py 2>&1 \
   | tee "$out/tests.log" || status=1
 python3 tests/test_page_scores_kernel.py --time 2>&1 | tee "$out/timing.txt" || status=1
 python3 tests/test_entropy_kernel.py --time 2>&1 | tee -a "$out/timing.txt" || status=1

@@ -3,12 +3,13 @@
 One decoder layer of a Llama-3-8B shape (hidden 4096, 32 query / 8 KV heads of 128, MLP 14336, bf16):
 - dense, as SGLang serves a decode batch that does not prune: the whole layer (norms, projections, MLP and
   attention over every token, torch SDPA) replayed from a CUDA graph;
-- pruned, as it serves one that prunes: the same layer eager, the two selection stages of the CUDA path
-  (`pruning.select_pages` on the Triton kernels, page size 16, shortlist half the candidates) and attention
-  over the kept tokens only (SDPA over a context of the kept length: FlashInfer reads the kept slots in
-  place, so a gather's copy is not charged).
+- pruned, as it serves one that prunes: the same layer eager, the selection of the CUDA path
+  (`pruning.select_pages` on the Triton kernels, page size 16; the default two stages, then the bound alone)
+  and attention over the kept tokens only (SDPA over a context of the kept length: FlashInfer reads the
+  kept slots in place, so a gather's copy is not charged); and the same captured in a graph, as a
+  graph-safe pruned step would run.
 A proxy for the start-up probe's answer (point 1 of docs/gpu.md's review): it prints per batch and context
-the two times and the smallest context where the pruned layer is faster. Usage: python3 scripts/gpu_crossover.py
+each part's time and the smallest context where the pruned layer is faster. Usage: python3 scripts/gpu_crossover.py
 """
 
 from __future__ import annotations
@@ -56,59 +57,79 @@ def timed(fn, reps=20):
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def measure(batch: int, context: int, w) -> tuple[float, float, int]:
-    """(dense ms from graph replay, pruned ms eager, kept tokens per row)."""
-    cfg = PruningConfig(min_context=0, page_size=PAGE)
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up that compiles its kernels): its replay."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
+
+
+def measure(batch: int, context: int, w, shortlist_ratio) -> dict:
+    """One layer's ms: dense from a graph and eager, eager over the kept tokens alone, the selection alone
+    (eager and from a graph), and the pruned layer (selection + attention over the kept tokens; the step's
+    plan built once) eager, as served, and from a graph, as a graph-safe pruned step would run."""
+    cfg = PruningConfig(min_context=0, page_size=PAGE, shortlist_ratio=shortlist_ratio)
     rows = [row_pages(context, math.nan, cfg) for _ in range(batch)]
     kept = rows[0].kept_tokens
     x = torch.randn(batch, HIDDEN, device=DEV, dtype=DT)
     k, v = (torch.randn(batch, HEADS_KV, context, DIM, device=DEV, dtype=DT) for _ in range(2))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x, w, sdpa(k, v))  # warm-up outside the capture
-        with torch.cuda.graph(graph):
-            layer(x, w, sdpa(k, v))
-    torch.cuda.current_stream().wait_stream(stream)
-    dense = timed(graph.replay)
-    del k, v, graph
+    dense = lambda: layer(x, w, sdpa(k, v))  # noqa: E731
+    out = {"kept": kept, "dense_graph": timed(graphed(dense)), "dense_eager": timed(dense)}
     pages = -(-context // PAGE)
     k_cache = torch.randn(batch * pages * PAGE, HEADS_KV, DIM, device=DEV, dtype=DT)
     view = k_cache.view(-1, PAGE, HEADS_KV, DIM)
     kmin, kmax = view.amin(dim=1), view.amax(dim=1)
-    table = torch.arange(batch * pages, device=DEV).view(batch, pages)
-    k_kept, v_kept = (torch.randn(batch, HEADS_KV, kept, DIM, device=DEV, dtype=DT) for _ in range(2))
-    attend_kept = sdpa(k_kept, v_kept)
+    plan = StepPlan.build(rows, torch.arange(batch * pages, device=DEV).view(batch, pages))
+    table_i32 = plan.page_table.to(torch.int32)
+    q = torch.randn(batch, HEADS_Q, DIM, device=DEV, dtype=DT)
+    select = lambda q: select_pages(TRITON_STAGES, q, k_cache, kmin, kmax, plan, table_i32, DIM ** -0.5)  # noqa: E731
+    attend_kept = sdpa(*(torch.randn(batch, HEADS_KV, kept, DIM, device=DEV, dtype=DT) for _ in range(2)))
 
-    def pruned():
-        plan = StepPlan.build(rows, table)  # once per step in serving; charged to every layer here
-        table_i32 = plan.page_table.to(torch.int32)
+    def pruned(q):
+        select(q)
+        return attend_kept(q)
+    out["kept_eager"] = timed(lambda: layer(x, w, attend_kept))
+    out["selection"] = timed(lambda: select(q))
+    out["selection_graph"] = timed(graphed(lambda: select(q)))
+    out["pruned"] = timed(lambda: layer(x, w, pruned))
+    out["pruned_graph"] = timed(graphed(lambda: layer(x, w, pruned)))
+    return out
 
-        def attend(q):
-            select_pages(TRITON_STAGES, q, k_cache, kmin, kmax, plan, table_i32, DIM ** -0.5)
-            return attend_kept(q)
-        layer(x, w, attend)
-    return dense, timed(pruned), kept
 
-
-def main() -> None:
-    w = weights()
-    print("| batch | context | kept tokens | dense layer, graph (ms) | pruned layer, eager (ms) | pruned / dense |")
-    print("|---|---|---|---|---|---|")
+def table(w, shortlist_ratio) -> None:
+    print(f"\nOne layer, ms; shortlist_ratio {shortlist_ratio}\n\n| batch | context | kept tokens | dense, graph | "
+          "dense, eager | eager over the kept tokens | selection, eager | selection, graph | pruned, eager | "
+          "pruned, graph | pruned eager / dense graph | pruned graph / dense graph |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     found = {}
     for batch in (1, 8, 32):
         for context in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
             if batch * context > 2 ** 21:
                 continue
-            dense, pruned, kept = measure(batch, context, w)
-            print(f"| {batch} | {context} | {kept} | {dense:.3f} | {pruned:.3f} | {pruned / dense:.2f} |", flush=True)
-            if pruned < dense:
-                found.setdefault(batch, context)
+            m = measure(batch, context, w, shortlist_ratio)
+            print(f"| {batch} | {context} | {m['kept']} | {m['dense_graph']:.3f} | {m['dense_eager']:.3f} | "
+                  f"{m['kept_eager']:.3f} | {m['selection']:.3f} | {m['selection_graph']:.3f} | {m['pruned']:.3f} | "
+                  f"{m['pruned_graph']:.3f} | {m['pruned'] / m['dense_graph']:.2f} | "
+                  f"{m['pruned_graph'] / m['dense_graph']:.2f} |", flush=True)
+            for name in ("pruned", "pruned_graph"):
+                if m[name] < m["dense_graph"]:
+                    found.setdefault((batch, name), context)
             torch.cuda.empty_cache()
     for batch in (1, 8, 32):
-        print(f"batch {batch}: the pruned layer is faster from {found.get(batch, 'no measured')} tokens")
+        print(f"batch {batch}: faster than the dense graph from {found.get((batch, 'pruned'), 'no measured')} tokens "
+              f"eager, from {found.get((batch, 'pruned_graph'), 'no measured')} tokens from a graph")
 
+
+def main() -> None:
+    """The default two stages (shortlist half the candidates), then the bound alone (no exact rescoring)."""
+    w = weights()
+    for shortlist_ratio in (PruningConfig().shortlist_ratio, None):
+        table(w, shortlist_ratio)
 
 if __name__ == "__main__":
     main()

@@ -2,10 +2,14 @@
 
 Selecting pages costs work a dense step does not do (the page bounds, a top-k, a gather), so
 below some context length a pruned step is slower than attending everything. That length
-depends on the machine, the model's attention shape and the attention code, so the server
+depends on the machine, the model's attention shape and the attention code, so the CPU server
 measures it at start-up (the CPU attention backend times its own dense and sparse paths on
 synthetic KV of the served model's shape) instead of trusting a fixed token count; an
 explicit `pruning.min_context` overrides it.
+
+On CUDA a start-up probe cannot time what serving runs (a dense step replays a CUDA graph, a pruned
+one runs eager), so the crossover there is a rule taken from a measurement on an H200
+(`cuda_min_context`; docs/gpu.md, scripts/gpu_crossover.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,20 @@ from typing import Callable, Optional, Sequence
 CONTEXTS = (256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 # A sparse step must be this much faster to count as paying: timing noise must not flip it.
 MARGIN = 0.1
+
+
+# On an H200 (Llama-3-8B layer shape, bf16, scripts/gpu_crossover.py): with the bound alone choosing the
+# pages (`shortlist_ratio` None) a pruned layer, eager, beat the dense layer replayed from its graph from
+# 32k tokens at batch 8 (8k at batch 32, never up to 128k at batch 1); with the two stages (the default)
+# it never did, up to 128k at batch 1-8 and 64k at batch 32: the exact rescoring reads half the
+# candidates' keys and costs about as much as dense attention.
+CUDA_BOUND_ONLY_MIN_CONTEXT = 32768
+
+
+def cuda_min_context(shortlist_ratio: Optional[float], context_len: int) -> int:
+    """The CUDA path's crossover when `pruning.min_context` is unset: 32k tokens with the bound alone,
+    past the model's context (never) with the two stages."""
+    return CUDA_BOUND_ONLY_MIN_CONTEXT if shortlist_ratio is None else context_len + 1
 
 
 @dataclass(frozen=True)

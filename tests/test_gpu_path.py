@@ -271,3 +271,28 @@ def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashin
     assert mode.reads == [] and len(mode.transfers) == 1, (mode.reads, mode.transfers)
     pending.finish(stepper.rt)  # where SGLang processes the batch's result
     assert all(len(r.customized_info["entropy"]) == 1 for r in reqs)
+
+
+@pytest.mark.parametrize("shortlist_ratio,expected", [(0.5, 4097), (None, 32768)])
+def test_the_cuda_crossover_is_the_measured_rule_not_a_start_up_timing(flashinfer_sparse, shortlist_ratio, expected):
+    """With min_context unset, the CUDA backend's start-up runs the self-check and takes the crossover from
+    the rule measured on an H200 (never with the two stages, 32k tokens with the bound alone), timing
+    nothing: an eager probe cannot time the graph replay a dense step runs as."""
+    import types
+
+    import torch
+
+    from sgl_entropic.config import PruningConfig
+
+    fi = flashinfer_sparse
+    cfg = PruningConfig(shortlist_ratio=shortlist_ratio)
+    assert cfg.min_context is None
+    backend = object.__new__(fi.EntropicFlashInferAttnBackend)  # SGLang's __init__ needs CUDA
+    backend._heads = (9, 3, 64)
+    backend.indices_updater_decode = types.SimpleNamespace(data_type=torch.float32)
+    backend.sparse = fi.FlashInferSparse(None, backend._heads, (torch.float32,) * 2, 16, False)
+    backend.planner = types.SimpleNamespace(cfg=cfg)
+    runner = types.SimpleNamespace(device="cpu", model_config=types.SimpleNamespace(context_len=4096))
+    probe = backend._start_up(runner, cfg)
+    assert probe.check.ok and probe.timings == []
+    assert backend.planner.cfg.min_context == expected

@@ -21,21 +21,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
 from sgl_entropic.config import PruningConfig
-from sgl_entropic.crossover import CONTEXTS, crossover, measure
+from sgl_entropic.crossover import cuda_min_context
 from sgl_entropic.kernels.page_scores import TRITON_STAGES
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
-from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin.page_planner import PagePlanner, Probe
 from sgl_entropic.plugin.self_check import run_self_check
-from sgl_entropic.pruning import StepPlan, all_pages, row_pages, select_pages
+from sgl_entropic.pruning import StepPlan, select_pages
 from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
@@ -141,50 +139,18 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         self.probe = self._start_up(model_runner, cfg)
 
     def _start_up(self, model_runner, cfg: PruningConfig) -> Probe:
-        """The self-check, then the crossover timed on this device: FlashInfer's dense decode against the
-        pruned path, one row of synthetic KV (CUDA graphs aside: both run eager here)."""
-        _, _, dim = self._heads
+        """The self-check; then, with `min_context` unset, the crossover from the measured CUDA rule
+        (`crossover.cuda_min_context`): a probe here could not time a dense step as served (graph replay)."""
         dtype = self.indices_updater_decode.data_type
         check = run_self_check(self.sparse.attend, *self._heads, dtype, cfg, device=model_runner.device)
         if not check.ok:
             self.planner.disable(check.error)
-            return Probe([], [], None, check)
-        timings = []
-        if cfg.min_context is None and model_runner.server_args.tp_size > 1:
-            self.planner.cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
         elif cfg.min_context is None:
-            config = model_runner.model_config
-            cap = min(config.context_len, model_runner.token_to_kv_pool.size)
-            timings = measure(lambda n, sparse: self._step(n, sparse, cfg, config.num_hidden_layers, dtype,
-                                                           model_runner.device), [n for n in CONTEXTS if n <= cap])
-            found = crossover(timings)
-            self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
-                                                      config.context_len + 1})
-            logger.info("sgl-entropic: pruning pays from %s tokens on this GPU (dense/sparse ms per step: %s)",
-                        found, ", ".join(f"{t.context}: {t.dense_s * 1e3:.2f}/{t.sparse_s * 1e3:.2f}" for t in timings))
-        return Probe(timings, [], None, check)
-
-    def _step(self, n: int, sparse: bool, cfg: PruningConfig, layers: int, dtype, device) -> Callable[[], None]:
-        """One decode step's attention over every layer at context n, dense or pruned, on synthetic KV."""
-        heads_q, heads_kv, dim = self._heads
-        p = cfg.page_size
-        pages = -(-n // p)
-        k, v = (torch.randn(pages * p, heads_kv, dim, device=device).to(dtype) for _ in range(2))
-        q = torch.randn(1, heads_q, dim, device=device).to(dtype)
-        store = PageStore(1, pages * p, p, heads_kv, dim, dtype, device, 1, with_surprisal=False)
-        store.write_keys(0, torch.arange(n, device=device), k[:n])
-        table = torch.arange(pages, device=device)[None]
-        dense = FlashInferSparse(self.workspace_buffer, self._heads, (dtype, dtype), p, False)
-
-        rows = [row_pages(n, math.nan, cfg) if sparse else all_pages(n, p)]
-
-        def step():
-            plan = StepPlan.build(rows, table, per_head=cfg.per_head)
-            for _ in range(layers):
-                (self.sparse if rows[0].keep else dense).attend(q, k, v, plan, store.kmin[0], store.kmax[0],
-                                                                dim ** -0.5)
-            torch.cuda.synchronize()
-        return step
+            found = cuda_min_context(cfg.shortlist_ratio, model_runner.model_config.context_len)
+            self.planner.cfg = cfg.model_copy(update={"min_context": found})
+            logger.info("sgl-entropic: on CUDA rows prune from %s tokens (the measured rule, docs/gpu.md; "
+                        "set pruning.min_context to override)", found)
+        return Probe([], [], None, check)
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)

@@ -51,7 +51,7 @@ r_max; below H_floor rho stays at rho(H_floor), so an overconfident model cannot
 budget. H_ref defaults to ln(V) / 2 of the served model. With r_min = r_max (the default) the
 budget is fixed: measured against it at the same mean share, the entropy-sized budget did not
 do better (docs/pruning.md). Rows shorter than `min_context` tokens are not pruned (None: the
-crossover measured by the server, `sgl_entropic.crossover`). The counts are fixed per step and the
+crossover: timed by the CPU server, a measured rule on CUDA, `sgl_entropic.crossover`). The counts are fixed per step and the
 same on every layer, so every layer of a step gathers the same shapes (and one FlashInfer plan
 serves all layers on CUDA).
 
