@@ -2,11 +2,11 @@
 # Idempotent setup used by both README commands: a venv in .venv, SGLang for CPU, this project
 # (editable), the sgl_kernel stand-in finder, and the bundled model converted once into a cache.
 # Optional groups, each installed once on top (its own stamp, so switching flags never reinstalls
-# the base): --gpu on a CUDA machine adds FlashInfer and the real sgl_kernel; --bench what the
-# benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions, essays); --router
-# SGLang's model gateway (smg, the successor of sglang-router, which it removes first: both install
-# a console script named `smg`), for scripts/router.sh and tests/test_router.py; --docs the docs
-# site's builder (mkdocs with the material theme), for tests/test_docs.py.
+# the base): --gpu on a CUDA machine adds sglang's CUDA dependencies (FlashInfer, the real sgl_kernel,
+# ...); --bench what the benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions,
+# essays); --router SGLang's model gateway (smg, the successor of sglang-router, which it removes
+# first: both install a console script named `smg`), for scripts/router.sh and tests/test_router.py;
+# --docs the docs site's builder (mkdocs with the material theme), for tests/test_docs.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,7 +52,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   rm -f .venv/.sgl-entropic-group-*  # a new base: the optional groups go on again
   echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"
 fi
-# Never `pip install -e .[gpu]`: with deps, pip would pull sglang's whole CUDA dependency list.
+# --gpu is `pip install -e .` with deps: sglang's whole CUDA dependency list (requirements/gpu.txt).
 for group in ${groups[@]+"${groups[@]}"}; do
   group_want=$(cat "requirements/$group.txt" | sha256sum | cut -d' ' -f1)
   group_stamp=.venv/.sgl-entropic-group-$group

@@ -3,9 +3,10 @@
 The stand-in is served by a finder appended to the END of `sys.meta_path`, so it is used only
 when no normal finder locates a real `sgl_kernel` (a GPU machine's wins). The finder is
 installed at interpreter start by a `.pth` file in site-packages, because SGLang spawns its
-scheduler and detokenizer processes and imports `sgl_kernel` in them before plugins load.
+scheduler and detokenizer processes and imports `sgl_kernel` in them before plugins load. A wheel
+install ships the .pth and `pip uninstall` removes it (setup.py); an editable install cannot ship it:
 
-    python -m sgl_entropic.cpu install    # write the .pth (scripts/setup.sh does this)
+    python -m sgl_entropic.cpu install    # write the .pth (scripts/setup.sh's editable install does this)
     python -m sgl_entropic.cpu jit        # compile NGRAM's n-gram trie once (scripts/setup.sh does this)
     python -m sgl_entropic.cpu check      # say which sgl_kernel this interpreter gets
 """

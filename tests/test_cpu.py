@@ -34,12 +34,41 @@ def test_real_sgl_kernel_wins(tmp_path):
     assert _run("import sgl_kernel; print(sgl_kernel.REAL)", extra_path=str(tmp_path)) == "True"
 
 
-def test_other_names_import_but_refuse_to_run():
+def test_other_names_do_not_exist_so_sglang_s_fallbacks_run():
     out = _run(
-        "from sgl_kernel import rotate_input_ids_cpu as f\n"
-        "try:\n    f()\nexcept NotImplementedError as e:\n    print('refused:', e)"
+        "import sgl_kernel\n"
+        "print(hasattr(sgl_kernel, 'rotate_input_ids_cpu'), hasattr(sgl_kernel, 'assign_req_to_token_pool_cpu'))\n"
+        "try:\n    from sgl_kernel import rotate_input_ids_cpu\nexcept ImportError as e:\n    print('ImportError')"
     )
-    assert out.startswith("refused: sgl_kernel.rotate_input_ids_cpu")
+    assert out.split("\n") == ["False True", "ImportError"]
+
+
+def test_a_wheel_ships_the_pth_and_uninstalling_the_project_removes_it(tmp_path):
+    """`pip install` of the project's wheel puts the stand-in's .pth in site-packages, listed in RECORD, so
+    that `pip uninstall` removes it (a .pth written beside the install would outlive it)."""
+    from pathlib import Path
+
+    from sgl_entropic.cpu import PTH_LINE, PTH_NAME
+
+    import shutil
+
+    root, src = Path(__file__).resolve().parent.parent, tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):  # a copy: no stale build/ of the checkout
+        shutil.copy(root / name, src)
+    for name in ("sgl_entropic", "kernels"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path)], check=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    subprocess.run([*pip, "--python", python, "install", "--no-deps", *map(str, tmp_path.glob("*.whl"))], check=True)
+    assert (site / PTH_NAME).read_text() == PTH_LINE
+    subprocess.run([*pip, "--python", python, "uninstall", "-y", "sgl-entropic"], check=True)
+    assert not (site / PTH_NAME).exists() and not (site / "sgl_entropic").exists()
 
 
 def test_assign_req_to_token_pool_matches_reference():

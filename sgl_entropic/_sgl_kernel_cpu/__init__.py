@@ -3,7 +3,9 @@
 SGLang's CPU path imports a few `*_cpu` ops from `sgl_kernel` at module import time; the CPU
 build of sgl_kernel is compiled from source only. A dense Llama model on CPU calls just
 `assign_req_to_token_pool_cpu`; NGRAM speculative decoding calls `copy_all_layer_kv_cache_cpu` and
-the ops of `speculative.py` (also served as `sgl_kernel.speculative`). Every other name imports fine and raises if it is called.
+the ops of `speculative.py` (also served as `sgl_kernel.speculative`). No other name exists here (a
+CPU server with and without NGRAM asks for none): `from sgl_kernel import x` raises ImportError and
+`hasattr` answers False, so SGLang's own fallbacks run.
 """
 
 import ctypes
@@ -56,16 +58,3 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         buffer = torch.frombuffer(raw, dtype=torch.uint8).view(slots, stride)
         buffer[tgt] = buffer[src]
 
-
-def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-
-    def unavailable(*args, **kwargs):
-        raise NotImplementedError(
-            f"sgl_kernel.{name} is not available: this process uses sgl-entropic's CPU stand-in "
-            "for sgl_kernel (the real package is not importable here)"
-        )
-
-    unavailable.__name__ = name
-    return unavailable
