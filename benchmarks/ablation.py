@@ -221,6 +221,16 @@ def superadditivity(results: dict) -> list[list]:
     return rows
 
 
+RAW = ("long_output_ids", "long_texts")  # read for ROUGE-L; kept in benchmarks/results/, not published
+TRACES = ("chat_traces", "long_traces")  # per request: published for the plots' runs (results), not per round
+
+
+def published(results: dict, runs: dict) -> tuple[dict, dict]:
+    """What docs/data/ablation.json keeps: every summary, the traces the plots read, no per-request outputs."""
+    return ({name: {k: v for k, v in r.items() if k not in RAW} for name, r in results.items()},
+            {name: [{k: v for k, v in r.items() if k not in RAW + TRACES} for r in rs] for name, rs in runs.items()})
+
+
 def plots(results: dict, out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -331,8 +341,11 @@ def main() -> None:
     md = markdown_table(headers, table) + "\n\nSuper-additivity (improvement over stock; higher is better):\n\n" + \
         markdown_table(["metric", "full - stock", "sum of single loops", "verdict"], superadditivity(results))
     path = write_json("ablation", {"environment": environment(), "args": vars(args), "results": results,
-                                   "runs": runs, "markdown": md, "plots": png},
-                      publish=None if args.quick else "ablation")
+                                   "runs": runs, "markdown": md, "plots": png})
+    if not args.quick:
+        small_results, small_runs = published(results, runs)
+        write_json("ablation-published", {"environment": environment(), "args": vars(args), "results": small_results,
+                                          "runs": small_runs, "markdown": md, "plots": png}, publish="ablation")
     print(md)
     log_line(f"results: {path}; plots: {', '.join(png)}")
 
