@@ -8,6 +8,7 @@ its cores; the launcher sets it (sgl_entropic/cpu.py), so this runs on a 2-core,
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import sys
 
 import pytest
@@ -23,8 +24,9 @@ CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": 0.3, "t_max": 0.6, "t
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
+    # min_context given: each rank would otherwise time the pruning crossover at start-up (not under test)
     srv = start_server([sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--dp-size", "2",
-                        *COMMON_ARGS], log)
+                        "--entropic-config", json.dumps({"pruning": {"min_context": 1024}}), *COMMON_ARGS], log)
     yield srv
     stop_server(srv.proc)
 

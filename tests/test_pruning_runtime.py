@@ -33,9 +33,9 @@ def _decode_attended(meta: dict) -> float:
 
 @pytest.fixture(scope="module")
 def passkey_results(server, stock_server):
-    """Passkeys at 2.5k and 4k tokens: pruned (our full-mode server) and dense (stock)."""
+    """Passkeys at 2k and 3k tokens: pruned (our full-mode server) and dense (stock)."""
     rng = random.Random(7)
-    cases = [Case(n, depth, rng.randint(10000, 99999)) for n, depth in ((2500, 0.7), (4000, 0.3))]
+    cases = [Case(n, depth, rng.randint(10000, 99999)) for n, depth in ((2000, 0.7), (3000, 0.3))]
 
     def ask(srv, case):
         return _generate(srv, {"text": case.prompt, "sampling_params": GREEDY, "return_entropy": srv is server})

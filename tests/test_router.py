@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -41,8 +42,9 @@ TOKENS = 6
 # the request's (it reached the worker).
 T_MIN, T_MAX = 0.3, 0.6
 R_MIN, R_MAX = 1.1, 1.4
+# min_context given: pruning is not under test here, so the start-up crossover timing is skipped
 WORKER_CONFIG = {"sampling": {"target_entropy": 1.5, "t_min": T_MIN, "t_max": T_MAX, "t_init": 0.5,
-                              "every_request": True}}
+                              "every_request": True}, "pruning": {"min_context": 1024}}
 CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": R_MIN, "t_max": R_MAX, "t_init": 1.2}}
 # A small KV pool each (the launcher's default, 65536 fp32 tokens, is ~3 GB).
 WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",
@@ -68,8 +70,11 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("router")
     workers, router = [], None
     try:
-        for i in range(WORKERS):
-            workers.append(start_server(WORKER_CMD, logs / f"worker-{i}.log", timeout_s=600))
+        with ThreadPoolExecutor(WORKERS) as pool:  # side by side: most of a start is Python importing
+            starts = [pool.submit(start_server, WORKER_CMD, logs / f"worker-{i}.log", timeout_s=600)
+                      for i in range(WORKERS)]
+            for start in starts:
+                workers.append(start.result())
         metrics_port = int(workers[0].url.rsplit(":", 1)[1]) + 1000  # smg's default 29000 may be taken
         router = start_server([sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1",
                                "--worker-urls", *(w.url for w in workers), "--policy", "cache_aware",

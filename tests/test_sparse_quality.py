@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.server
+# slow tier: the one benchmark-like test left (6 prefills of 4k fp32 tokens, about 2.5 minutes on 2 cores)
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SCRIPT = r"""
 import json, sys
