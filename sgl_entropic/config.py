@@ -148,6 +148,10 @@ class PruningConfig(_Section):
         None, ge=0, le=10_000_000,
         description="shorter contexts attend everything; None: where pruning pays (CPU: timed at start-up; CUDA: a "
                     "rule measured on an H200)")
+    dense_kernel_from: Optional[int] = Field(
+        None, ge=0, le=10_000_000,
+        description="CPU: steps that do not prune run our kernel over every page from this context; None: timed at "
+                    "start-up")
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
     aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
     reference_entropy: Optional[float] = Field(

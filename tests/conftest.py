@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,8 +58,9 @@ def server(tmp_path_factory) -> Server:
         yield Server(os.environ["SGLANG_ENTROPIC_TEST_URL"], None, None)
         return
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # Pruning from 1024 tokens, whatever crossover this (busy, fp32) machine would time: the
-    # runtime tests check pruned decode at 2-6k tokens (tests/test_attention_backend.py times it).
+    # Pruning from 1024 tokens and our kernel over every page from 2048, whatever crossovers this (busy,
+    # fp32) machine would time, and nothing timed at start-up: the runtime tests check pruned decode at 2-3k
+    # tokens (tests/test_attention_backend.py tests the timing).
     # Compact JSON: xgrammar otherwise allows whitespace anywhere, and a sampled request (plain
     # T=0.8 as well as entropic) can fill any token budget with it (tests/test_reliability.py).
     # Every loop engaged: full leaves the queue order to SGLang unless --schedule-policy entropic asks.
@@ -67,7 +69,10 @@ def server(tmp_path_factory) -> Server:
     stop_server(srv.proc)
 
 
-def shared_server_cmd(config: str = '{"pruning": {"min_context": 1024}}') -> list[str]:
+PRUNING = {"min_context": 1024, "dense_kernel_from": 2048}
+
+
+def shared_server_cmd(config: str = json.dumps({"pruning": PRUNING})) -> list[str]:
     return [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
             "--entropic-config", config, "--constrained-json-disable-any-whitespace", "--schedule-policy",
             "entropic", *COMMON_ARGS]
@@ -76,7 +81,7 @@ def shared_server_cmd(config: str = '{"pruning": {"min_context": 1024}}') -> lis
 # Up to 4 nodes a verified tree (3 drafts): wide enough to accept runs, narrow enough for a 2-core machine.
 # Rule `matched`: every draft the trie offers is verified (the entropy rule would turn drafts off for the
 # batches of sampled requests the tests send), so that verification itself is what the tests exercise.
-SPECULATIVE_CMD = shared_server_cmd('{"pruning": {"min_context": 1024}, "speculative": {"draft": "matched"}}') + [
+SPECULATIVE_CMD = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "matched"}})) + [
     "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
 
 

@@ -244,6 +244,14 @@ def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
     assert backend.plan is not None and (store.kmax[:, pages] == 50.0).all()
 
 
+def test_given_both_crossovers_the_backend_times_nothing():
+    backend = EntropicTorchNativeAttnBackend(stub_runner(), CFG.model_copy(update={"min_context": 900,
+                                                                                   "dense_kernel_from": 700}))
+    probe = backend.probe
+    assert probe.check.ok and probe.timings == probe.kernel_timings == []
+    assert (probe.dense_kernel_from, backend.planner.cfg.min_context) == (700, 900)
+
+
 def test_without_min_context_the_backend_times_where_its_kernels_pay():
     """min_context unset: at start-up the backend times SGLang's dense loop, our kernel over every page
     and the pruned path; our kernel serves steps that do not prune from the shortest timed context past

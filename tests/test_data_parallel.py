@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import COMMON_ARGS, start_server, stop_server
+from tests.conftest import COMMON_ARGS, PRUNING, start_server, stop_server
 from tests.load_client import CHAT
 
 pytestmark = pytest.mark.server
@@ -24,9 +24,9 @@ CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": 0.3, "t_max": 0.6, "t
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
-    # min_context given: each rank would otherwise time the pruning crossover at start-up (not under test)
+    # the crossovers given: each rank would otherwise time them at start-up (not under test)
     srv = start_server([sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--dp-size", "2",
-                        "--entropic-config", json.dumps({"pruning": {"min_context": 1024}}), *COMMON_ARGS], log)
+                        "--entropic-config", json.dumps({"pruning": PRUNING}), *COMMON_ARGS], log)
     yield srv
     stop_server(srv.proc)
 

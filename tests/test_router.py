@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import COMMON_ARGS, start_server, stop_server
+from tests.conftest import COMMON_ARGS, PRUNING, start_server, stop_server
 from tests.load_client import CHAT, LONG_PROMPT, nothing_held, send
 
 try:  # the distribution, not the `smg` console script (sglang-router's wheel installs one too)
@@ -42,9 +42,9 @@ TOKENS = 6
 # the request's (it reached the worker).
 T_MIN, T_MAX = 0.3, 0.6
 R_MIN, R_MAX = 1.1, 1.4
-# min_context given: pruning is not under test here, so the start-up crossover timing is skipped
+# the crossovers given: pruning is not under test here, so nothing is timed at start-up
 WORKER_CONFIG = {"sampling": {"target_entropy": 1.5, "t_min": T_MIN, "t_max": T_MAX, "t_init": 0.5,
-                              "every_request": True}, "pruning": {"min_context": 1024}}
+                              "every_request": True}, "pruning": PRUNING}
 CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": R_MIN, "t_max": R_MAX, "t_init": 1.2}}
 # A small KV pool each (the launcher's default, 65536 fp32 tokens, is ~3 GB).
 WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",

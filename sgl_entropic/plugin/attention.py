@@ -82,8 +82,12 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         cap = min(config.context_len, model_runner.token_to_kv_pool.size)
         contexts = [n for n in CONTEXTS if n <= cap]
         layers = config.num_hidden_layers
-        kernel_timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False), contexts)
-        from_ = crossover(kernel_timings)
+        if cfg.dense_kernel_from is None:
+            kernel_timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False),
+                                     contexts)
+            from_ = crossover(kernel_timings)
+        else:
+            from_ = cfg.dense_kernel_from
         if cfg.min_context is None:
             timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=True,
                                                                dense_kernel=from_ is not None and n >= from_),
