@@ -131,5 +131,6 @@ def main() -> None:
     for shortlist_ratio in (PruningConfig().shortlist_ratio, None):
         table(w, shortlist_ratio)
 
+
 if __name__ == "__main__":
     main()
