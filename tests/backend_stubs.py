@@ -7,6 +7,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_entropic.config import EntropicConfig, PruningConfig
@@ -36,27 +37,30 @@ class KVPool:
         return self.v[layer_id]
 
 
-def stub_layer(layer_id):
+def stub_layer(layer_id, window=-1):
     return SimpleNamespace(layer_id=layer_id, tp_q_head_num=HEADS_Q, tp_k_head_num=HEADS_KV, qk_head_dim=DIM,
                            v_head_dim=DIM, scaling=1 / math.sqrt(DIM), is_cross_attention=False,
-                           sliding_window_size=-1)
+                           sliding_window_size=window)
 
 
-def stub_runner(gen=None, tp_size=1):
+def stub_runner(gen=None, tp_size=1, sliding=()):
+    """`sliding`: layer ids with a sliding window (the others attend the whole context)."""
     pool = KVPool(gen or torch.Generator().manual_seed(0))
     pool.size = POOL_PAGES * P
+    model = torch.nn.ModuleList(RadixAttention(HEADS_Q, DIM, 1 / math.sqrt(DIM), HEADS_KV, i,
+                                               sliding_window_size=8 if i in sliding else -1) for i in range(LAYERS))
     return SimpleNamespace(
-        device="cpu", page_size=P, server_args=SimpleNamespace(tp_size=tp_size), token_to_kv_pool=pool,
+        device="cpu", page_size=P, model=model, server_args=SimpleNamespace(tp_size=tp_size), token_to_kv_pool=pool,
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
         model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q * tp_size,
                                      context_len=MAX_CONTEXT),
     )
 
 
-def setup(cfg, context_lens, entropies=None, seed=0, tp_size=1):
+def setup(cfg, context_lens, entropies=None, seed=0, tp_size=1, sliding=()):
     """Requests on scattered physical pages (a fragmented pool), their prompts' keys in the store."""
     gen = torch.Generator().manual_seed(seed)
-    runner = stub_runner(gen, tp_size)
+    runner = stub_runner(gen, tp_size, sliding)
     backend = EntropicTorchNativeAttnBackend(runner, cfg)
     table = runner.req_to_token_pool.req_to_token
     pages = torch.randperm(POOL_PAGES, generator=gen)
@@ -67,7 +71,7 @@ def setup(cfg, context_lens, entropies=None, seed=0, tp_size=1):
         used += own.numel()
         table[slot, :n] = (own[:, None] * P + torch.arange(P)).flatten()[:n].int()
         locs = table[slot, :n].long()
-        for layer in range(LAYERS):  # the prompt's keys, written in two chunks as a chunked prefill would
+        for layer in backend.planner.store.layer_ids:  # the prompt's keys, in two chunks as a chunked prefill would
             half = n // 2
             backend.planner.store.write_keys(layer, locs[:half], runner.token_to_kv_pool.k[layer][locs[:half]])
             backend.planner.store.write_keys(layer, locs[half:], runner.token_to_kv_pool.k[layer][locs[half:]])

@@ -61,7 +61,7 @@ def test_store_min_max_are_the_pages_keys_and_bound_the_true_logits():
 
 
 def test_a_page_reused_by_another_request_restarts_its_min_max():
-    store = PageStore(1, 4 * P, P, 1, 2, torch.float32, "cpu", 4, with_surprisal=False)
+    store = PageStore([0], 4 * P, P, 1, 2, torch.float32, "cpu", 4, with_surprisal=False)
     store.write_keys(0, torch.arange(P, 2 * P), torch.full((P, 1, 2), 5.0))  # page 1: old content
     fresh = torch.tensor([[[1.0, -1.0]], [[2.0, -3.0]]])
     store.write_keys(0, torch.tensor([P, P + 1]), fresh)  # page 1 freed and reused: new content from offset 0
@@ -166,6 +166,36 @@ def test_dense_layers_attend_everything():
     assert all(f > 0.3 for f in batch.rows.attended)
 
 
+def test_sliding_window_layers_have_no_page_bounds_and_attend_their_window_as_sglang_does():
+    """Gemma 3 shape: only layers that read the whole context are pruning candidates and hold page bounds;
+    a sliding-window layer attends exactly its window through SGLang's own code, also in a pruned step."""
+    runner, backend, batch, q, _ = setup(CFG, [700, 900], sliding={0, 2})
+    store = backend.planner.store
+    assert store.layer_ids == [1] and store.kmin.shape[0] == 1 and backend.planner.sparse_share == 1.0
+    stock = TorchNativeAttnBackend(runner)
+    stock.init_forward_metadata(batch)
+    backend.init_forward_metadata(batch)
+    assert backend.plan is not None  # the step prunes
+    for layer in (stub_layer(0, window=8), stub_layer(2, window=8)):
+        out = backend.forward_decode(q, None, None, layer, batch, save_kv_cache=False)
+        assert torch.equal(out, stock.forward_decode(q, None, None, layer, batch, save_kv_cache=False))
+    window_of_all = stock.forward_decode(q, None, None, stub_layer(0), batch, save_kv_cache=False)
+    assert not torch.allclose(out, window_of_all)  # the window is really applied
+    pruned = backend.forward_decode(q, None, None, stub_layer(1), batch, save_kv_cache=False)
+    assert not torch.allclose(pruned, stock.forward_decode(q, None, None, stub_layer(1), batch, save_kv_cache=False))
+    before = store.kmax.clone()
+    backend.planner.write_keys(stub_layer(0, window=8), batch, runner.token_to_kv_pool.k[0])  # no bounds: no-op
+    assert torch.equal(store.kmax, before)
+
+
+def test_a_model_whose_every_layer_slides_turns_pruning_off(caplog):
+    runner = stub_runner(sliding=set(range(LAYERS)))
+    with caplog.at_level("ERROR", logger="sgl_entropic"):
+        backend = EntropicTorchNativeAttnBackend(runner, CFG)
+    assert backend.planner.store.layer_ids == [] and backend.planner.cfg.min_context == 10**9
+    assert "sliding-window" in caplog.text
+
+
 def test_the_entropy_sets_the_budget():
     cfg = CFG.model_copy(update={"min_keep_ratio": 0.2, "max_keep_ratio": 0.8, "shortlist_ratio": 0.9})
     _, backend, batch, q, _ = setup(cfg, [1000, 1000], entropies=[0.0, 20.0])
@@ -201,7 +231,7 @@ def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
     hidden_states = torch.randn(8, hidden, generator=gen)
     slots = torch.tensor([10, 11, 12, 13, 14, 30, 31, 32])
     batch = SimpleNamespace(input_ids=ids, out_cache_loc=slots, extend_start_loc=torch.tensor([0, 5]))
-    store = PageStore(1, 64, 16, 1, 2, torch.float32, "cpu", 4, with_surprisal=True)
+    store = PageStore([0], 64, 16, 1, 2, torch.float32, "cpu", 4, with_surprisal=True)
     store.record_prompt(processor, hidden_states, None, batch)
     logp = torch.log_softmax(hidden_states @ weight.T, dim=-1)
     for seg_start, seg_end in ((0, 5), (5, 8)):

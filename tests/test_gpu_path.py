@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,10 +112,31 @@ def test_the_page_store_comes_out_of_the_kv_pools_budget():
     (pool_budget, passed), = seen
     assert passed == {"cap_tokens": 5}  # SGLang's other arguments go through untouched
     tokens = pool_budget // kv_bytes_per_token
-    store = page_store.PageStore(layers, tokens, page, heads, dim, torch.float32, "cpu", 4, with_surprisal=False)
+    store = page_store.PageStore(range(layers), tokens, page, heads, dim, torch.float32, "cpu", 4, with_surprisal=False)
     scratch_row = 2 * layers * heads * dim * 4  # the store's one page row beyond the pool's pages (46 KB here)
     assert tokens * kv_bytes_per_token + store.nbytes <= budget + scratch_row
     assert tokens * kv_bytes_per_token + store.nbytes > 0.99 * budget  # and the pool keeps the rest
+
+
+def test_a_model_with_sliding_window_layers_gives_the_pool_what_their_missing_bounds_leave():
+    """Gemma 3 270M's shape: 3 of 18 layers read the whole context; only they hold page bounds."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    layers, heads, dim, page = 18, 1, 256, 16
+    model = torch.nn.ModuleList(RadixAttention(4, dim, 1.0, heads, i, sliding_window_size=-1 if i % 6 == 5 else 511)
+                                for i in range(layers))
+    kv_bytes_per_token = 2 * layers * heads * dim * 4
+    budget = 1000 * page * kv_bytes_per_token
+    runtime.install(EntropicConfig(mode="pruning"))
+    seen = []
+    page_store.around_config_from_budget(lambda conf, pool_budget: seen.append(pool_budget),
+                                         SimpleNamespace(model=model), budget)
+    tokens = seen[0] // kv_bytes_per_token
+    full, total = page_store.full_context_layers(model)
+    assert full == [5, 11, 17] and total == 18
+    store = page_store.PageStore(full, tokens, page, heads, dim, torch.float32, "cpu", 4, with_surprisal=False)
+    assert store.kmin.shape[0] == 3
+    assert 0.99 * budget < tokens * kv_bytes_per_token + store.nbytes <= budget + 2 * 3 * heads * dim * 4
 
 
 # ---------------------------------------------------------------------------- the CUDA path, on a stub FlashInfer
@@ -215,7 +237,7 @@ def test_the_cuda_path_keeps_the_pages_the_cpu_kernel_keeps(flashinfer_sparse, p
     pages, p, heads_kv, dim = 600, 16, 3, 64
     k = torch.randn(pages * p, heads_kv, dim, generator=gen)
     v = torch.randn(pages * p, heads_kv, dim, generator=gen)
-    store = PageStore(1, pages * p, p, heads_kv, dim, torch.float32, "cpu", 1, with_surprisal=False)
+    store = PageStore([0], pages * p, p, heads_kv, dim, torch.float32, "cpu", 1, with_surprisal=False)
     store.write_keys(0, torch.arange(pages * p), k)
     lengths = (3000, 1700, 2400, 900, 2600, 1333)
     rows = [row_pages(n, math.nan, cfg) for n in lengths]

@@ -81,7 +81,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         # where our kernels pay on this machine and model: over every page, then pruned (unless given)
         cap = min(config.context_len, model_runner.token_to_kv_pool.size)
         contexts = [n for n in CONTEXTS if n <= cap]
-        layers = config.num_hidden_layers
+        layers = len(self.planner.full_layers)  # sliding-window layers run SGLang's code either way
         if cfg.dense_kernel_from is None:
             kernel_timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False),
                                      contexts)
@@ -124,7 +124,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
                     TorchNativeAttnBackend._run_sdpa_forward_decode(
                         self, q, out, k, v, req_to_token, one, seq_lens, scaling=scale, enable_gqa=heads_q != heads_kv)
             return dense
-        store = PageStore(1, pages * p, p, heads_kv, dim, dtype, k.device, 1, with_surprisal=False)
+        store = PageStore([0], pages * p, p, heads_kv, dim, dtype, k.device, 1, with_surprisal=False)
         store.write_keys(0, torch.arange(n), k[:n])
         loc = torch.tensor([n - 1])
         pruned = ours and prune
@@ -183,9 +183,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         plan = self._layer_plan(self._layer) if self._layer is not None else None
         if plan is None:  # SGLang's own per-request loop
             return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, *args, scaling=scaling, **kwargs)
-        store = self.planner.store
-        layer_id = self._layer.layer_id
-        out, _ = attend_layer(query, k_cache, v_cache, plan, store.kmin[layer_id], store.kmax[layer_id], scaling)
+        out, _ = attend_layer(query, k_cache, v_cache, plan, *self.planner.store.bounds(self._layer.layer_id), scaling)
         output.copy_(out)
         return output
 

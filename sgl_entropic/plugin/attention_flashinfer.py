@@ -185,9 +185,8 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         if self.pruned:
             self.forward_metadata = self.sparse_metadata if sparse else self.dense_metadata
         if sparse:
-            store = self.planner.store
-            self.sparse.select(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id), store.kmin[layer.layer_id],
-                               store.kmax[layer.layer_id], layer.scaling)
+            self.sparse.select(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                               *self.planner.store.bounds(layer.layer_id), layer.scaling)
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from sgl_entropic.config import PruningConfig
-from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin.page_store import PageStore, full_context_layers, reads_whole_context
 from sgl_entropic.plugin.self_check import SelfCheck
 from sgl_entropic.pruning import StepPlan, all_pages, reference_entropy_for_vocab, row_pages, surprisal_scores
 
@@ -38,18 +38,22 @@ class PagePlanner:
         self.cfg = cfg
         config = model_runner.model_config
         self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(config.vocab_size)
-        layers = config.num_hidden_layers
-        self.sparse_share = max(0, layers - cfg.dense_layers) / layers  # the first dense_layers read everything
+        # Only layers that attend the whole context prune; sliding-window ones run SGLang's code untouched.
+        self.full_layers, _ = full_context_layers(model_runner.model)
+        sparse = [i for i in self.full_layers if i >= cfg.dense_layers]  # the first dense_layers read everything
+        self.sparse_share = len(sparse) / max(1, len(self.full_layers))  # of the layers that read the context
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.group_tokens: Optional[int] = None  # the CPU backend's row groups (pruning.StepPlan.build)
         self.kv_pool = model_runner.token_to_kv_pool
         k0 = self.kv_pool.get_key_buffer(0)
-        self.store = PageStore(layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
+        self.store = PageStore(self.full_layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
                                self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
         # KV slots written by dense decode steps whose keys are not folded into the page bounds yet
         self._deferred: list[torch.Tensor] = []
         self._deferred_slots = 0
         self._fold_decode = False
+        if not sparse:
+            self.disable("no layer past pruning.dense_layers attends the whole context (all sliding-window)")
 
     def disable(self, reason: str) -> None:
         """Pruning off for this server's life (the self-check failed): every step attends densely."""
@@ -122,14 +126,13 @@ class PagePlanner:
             return
         locs = torch.cat(self._deferred)
         self._deferred, self._deferred_slots = [], 0
-        for layer_id in range(self.store.kmin.shape[0]):
+        for layer_id in self.store.layer_ids:
             self.store.write_keys(layer_id, locs, self.kv_pool.get_key_buffer(layer_id)[locs])
 
     @staticmethod
     def plain_layer(layer) -> bool:
         """Layers our kernels serve: self-attention without a sliding window (others run SGLang's code)."""
-        window = getattr(layer, "sliding_window_size", None)
-        return not layer.is_cross_attention and (window is None or window < 0)
+        return reads_whole_context(layer)
 
     def sparse_layer(self, layer) -> bool:
         """Layers that attend a pruned plan: plain ones past the first `dense_layers`."""
@@ -138,7 +141,7 @@ class PagePlanner:
     def write_keys(self, layer, forward_batch, k_cache: torch.Tensor) -> None:
         """After a layer wrote its KV: fold the keys into the page bounds (a dense decode step defers)."""
         mode = forward_batch.forward_mode
-        if layer.is_cross_attention or ((mode.is_decode() or mode.is_target_verify()) and not self._fold_decode):
+        if not self.plain_layer(layer) or ((mode.is_decode() or mode.is_target_verify()) and not self._fold_decode):
             return
         locs = forward_batch.out_cache_loc
         self.store.write_keys(layer.layer_id, locs, k_cache[locs])

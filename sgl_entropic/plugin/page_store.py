@@ -1,7 +1,8 @@
 """What the meso loop keeps beside SGLang's KV pool, written as the KV is written.
 
 Per KV page, layer and KV head: the element-wise min and max of its keys (the "quest" bound's
-metadata, 2 vectors per page: 1/8 of the K bytes at 16 tokens a page). Per KV slot, for the
+metadata, 2 vectors per page: 1/8 of the K bytes at 16 tokens a page), for the layers that attend the
+whole context only (a sliding-window layer attends its window as SGLang does and needs none). Per KV slot, for the
 "surprisal" selector only: the token's surprisal. Both are indexed like the pool itself, so a
 RadixAttention prefix shared by a later request brings them along.
 """
@@ -9,6 +10,7 @@ RadixAttention prefix shared by a later request brings them along.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -16,12 +18,14 @@ from sgl_entropic.transfer import to_device
 
 
 class PageStore:
-    def __init__(self, num_layers: int, kv_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype,
+    def __init__(self, layer_ids: Sequence[int], kv_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype,
                  device, num_req_slots: int, with_surprisal: bool):
         self.page_size = page_size
+        self.layer_ids = list(layer_ids)
+        self._row = {layer_id: i for i, layer_id in enumerate(self.layer_ids)}
         pages = -(-kv_slots // page_size)
         self.scratch = pages  # one extra page row, the target of writes that must go nowhere
-        shape = (num_layers, pages + 1, kv_heads, head_dim)
+        shape = (len(self.layer_ids), pages + 1, kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=dtype, device=device)
         self.kmax = torch.zeros(shape, dtype=dtype, device=device)
         self.slot_surprisal = self.next_surprisal = None
@@ -37,6 +41,11 @@ class PageStore:
         extra = [t for t in (self.slot_surprisal, self.next_surprisal) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, *extra))
 
+    def bounds(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's per-page key min and max, [pages + 1, kv_heads, head_dim] each."""
+        row = self._row[layer_id]
+        return self.kmin[row], self.kmax[row]
+
     def write_keys(self, layer_id: int, locs: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold the keys just written at KV slots `locs` into their pages' min and max.
 
@@ -51,7 +60,7 @@ class PageStore:
         pages = locs // self.page_size
         restart = torch.where(locs % self.page_size == 0, pages, self.scratch)
         index = pages[:, None, None].expand_as(keys)
-        for table, reduce in ((self.kmin[layer_id], "amin"), (self.kmax[layer_id], "amax")):
+        for table, reduce in zip(self.bounds(layer_id), ("amin", "amax")):
             table.index_copy_(0, restart, keys)
             table.scatter_reduce_(0, index, keys, reduce, include_self=True)
 
@@ -101,10 +110,24 @@ class PageStore:
 _PROMPT_LOGITS_ROWS = 512
 
 
-def store_share(page_size: int) -> float:
+def reads_whole_context(layer) -> bool:
+    """Self-attention without a sliding window: the layers that prune and hold page bounds."""
+    window = getattr(layer, "sliding_window_size", None)
+    return not layer.is_cross_attention and (window is None or window < 0)
+
+
+def full_context_layers(model) -> tuple[list[int], int]:
+    """The ids of the model's attention layers that read the whole context, and how many layers attend."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    layers = {m.layer_id: m for m in model.modules() if isinstance(m, RadixAttention)}
+    return sorted(i for i, m in layers.items() if reads_whole_context(m)), len(layers)
+
+
+def store_share(page_size: int, full_layer_share: float = 1.0) -> float:
     """The page store's bytes per KV-pool byte: key min and max per page (2 vectors) against K and V
-    per token (2 vectors a token), so 1 / page_size."""
-    return 1.0 / page_size
+    per token (2 vectors a token), so 1 / page_size, for the share of layers that hold bounds."""
+    return full_layer_share / page_size
 
 
 def around_config_from_budget(original, configurator, budget_bytes, *args, **kwargs):
@@ -112,5 +135,7 @@ def around_config_from_budget(original, configurator, budget_bytes, *args, **kwa
     pool shrinks by the store's bytes (an explicit --max-total-tokens below the budget still stands)."""
     from sgl_entropic.plugin import runtime
 
-    share = store_share(runtime.current().config.pruning.page_size)
+    model = getattr(configurator, "model", None)
+    full, total = full_context_layers(model) if model is not None else ([], 0)
+    share = store_share(runtime.current().config.pruning.page_size, len(full) / total if total else 1.0)
     return original(configurator, int(budget_bytes / (1.0 + share)), *args, **kwargs)

@@ -52,7 +52,7 @@ def run_self_check(attend: Callable, heads_q: int, heads_kv: int, dim: int, dtyp
         width = max(-(-n // p) for n in lengths)
         order = torch.randperm(pool_pages, generator=gen)
         page_table = torch.stack([order[i * width : (i + 1) * width] for i in range(len(lengths))]).to(device)
-        store = PageStore(1, pool_pages * p, p, heads_kv, dim, dtype, device, 1, with_surprisal=False)
+        store = PageStore([0], pool_pages * p, p, heads_kv, dim, dtype, device, 1, with_surprisal=False)
         for b, n in enumerate(lengths):
             slots = (page_table[b, :, None] * p + torch.arange(p, device=device)).flatten()[:n]
             store.write_keys(0, slots, k[slots])
