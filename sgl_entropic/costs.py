@@ -19,6 +19,8 @@ class ModelDims:
     head_dim: int
     dense_flops_per_token: float
     kv_bytes_per_element: int = 2  # the KV cache dtype (bf16/fp16: 2, fp32: 4)
+    sliding_layers: int = 0  # layers that attend only the last `sliding_window` tokens (Gemma 3: 15 of 18)
+    sliding_window: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg, kv_bytes_per_element: int = 2) -> "ModelDims":
@@ -42,6 +44,7 @@ class ModelDims:
             + 3 * hidden * cfg.intermediate_size
         )
         lm_head = hidden * cfg.vocab_size
+        sliding = sum(t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or ())
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_q_heads=q_heads,
@@ -49,6 +52,8 @@ class ModelDims:
             head_dim=head_dim,
             dense_flops_per_token=2.0 * (cfg.num_hidden_layers * per_layer + lm_head),
             kv_bytes_per_element=kv_bytes_per_element,
+            sliding_layers=sliding,
+            sliding_window=(getattr(cfg, "sliding_window", None) or 0) if sliding else 0,
         )
 
 
@@ -58,19 +63,23 @@ class AttentionCost:
     kv_bytes: float
 
 
-def attention_cost(dims: ModelDims, attended_tokens: float) -> AttentionCost:
+def attention_cost(dims: ModelDims, attended_tokens: float, context: float | None = None) -> AttentionCost:
     """Attention FLOPs and KV-cache bytes read by one decode token over `attended_tokens`.
 
     FLOPs: QK^T and PV are h_q * h_d multiply-adds each per attended token and layer, so
     4 * L * h_q * h_d * attended (2 FLOPs per multiply-add). Bytes: K and V of every attended
     token in every layer, 2 * L * h_kv * h_d * bytes per element. attended_tokens is the
-    context length, or the tokens a pruned step read, averaged over layers.
+    context length, or the tokens a pruned step read, averaged over the layers that read the whole
+    context; a sliding-window layer reads min(window, context) tokens (context: default attended_tokens).
     """
-    flops = 4.0 * dims.num_layers * dims.num_q_heads * dims.head_dim * attended_tokens
-    kv_bytes = 2.0 * dims.num_layers * dims.num_kv_heads * dims.head_dim * dims.kv_bytes_per_element * attended_tokens
+    context = attended_tokens if context is None else context
+    tokens = ((dims.num_layers - dims.sliding_layers) * attended_tokens
+              + dims.sliding_layers * min(dims.sliding_window, context))  # summed over layers
+    flops = 4.0 * dims.num_q_heads * dims.head_dim * tokens
+    kv_bytes = 2.0 * dims.num_kv_heads * dims.head_dim * dims.kv_bytes_per_element * tokens
     return AttentionCost(flops, kv_bytes)
 
 
-def step_cost(dims: ModelDims, attended_tokens: float) -> float:
+def step_cost(dims: ModelDims, attended_tokens: float, context: float | None = None) -> float:
     """FLOPs of one decode step of one request: the cost C of the paper (dense + attention)."""
-    return dims.dense_flops_per_token + attention_cost(dims, attended_tokens).flops
+    return dims.dense_flops_per_token + attention_cost(dims, attended_tokens, context).flops

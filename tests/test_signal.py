@@ -254,6 +254,23 @@ def test_model_dims_explicit_head_dim_and_missing_kv_heads():
     assert dims.dense_flops_per_token == 2 * (4 * 32 * 64 + 3 * 32 * 8 + 32 * 10)
 
 
+def test_sliding_window_layers_read_at_most_their_window():
+    """Gemma 3 270M's shape: 15 of 18 layers slide over 512 tokens; a pruned step prunes only the other 3."""
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    cfg = SimpleNamespace(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                          hidden_size=640, intermediate_size=2048, vocab_size=262144, layer_types=types * 3,
+                          sliding_window=512)
+    dims = ModelDims.from_hf_config(cfg, kv_bytes_per_element=4)
+    assert (dims.sliding_layers, dims.sliding_window) == (15, 512)
+    per_token = 4 * 4 * 256
+    assert attention_cost(dims, 4096).flops == per_token * (3 * 4096 + 15 * 512)
+    assert attention_cost(dims, 100).flops == per_token * 18 * 100  # inside the window every layer reads it all
+    pruned = attention_cost(dims, 0.3 * 4096, context=4096)  # the 3 global layers read 30 %
+    assert pruned.flops == per_token * (3 * 0.3 * 4096 + 15 * 512)
+    assert pruned.kv_bytes == 2 * 256 * 4 * (3 * 0.3 * 4096 + 15 * 512)
+    assert step_cost(dims, 4096) == dims.dense_flops_per_token + per_token * (3 * 4096 + 15 * 512)
+
+
 def test_model_dims_match_llama_3_8b_parameter_count():
     cfg = SimpleNamespace(
         num_hidden_layers=32,

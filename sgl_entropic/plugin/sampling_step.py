@@ -193,7 +193,7 @@ class PendingRecord:
             if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
                 state.decode_skips = state.parked_before_token = 0
             fraction = attended[i] if attended is not None else 1.0
-            cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction))
+            cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction), self.seq_lens[i])
             record_token(rt, self.rows.reqs[i], state, tally, entropy[i], surprisal[i], valid[i] > 0, used_t[i], cost,
                          parked=self.parked[i], attended=fraction, decode=self.rows.decode,
                          **(NO_DRAFT if rt.config.speculative_on else {}))
