@@ -453,9 +453,10 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def write_json(name: str, data: dict, publish: Optional[str] = None) -> Path:
+def write_json(name: str, data: dict, publish: Optional[str] = None, unpublished: tuple[str, ...] = ()) -> Path:
     """A timestamped copy in benchmarks/results/; with `publish`, also docs/data/<publish>.json, the data
-    the docs and figures read, with the command and the commit (environment) that produced it."""
+    the docs and figures read, with the command and the commit (environment) that produced it, less the
+    `unpublished` keys (per-request records: the summaries are what the docs read)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
@@ -463,7 +464,7 @@ def write_json(name: str, data: dict, publish: Optional[str] = None) -> Path:
         head = {"command": " ".join(["python", *sys.argv])}
         if "environment" not in data:  # most benchmarks record it already
             head["environment"] = environment()
-        data = {**head, **data}
+        data = {**head, **{k: v for k, v in data.items() if k not in unpublished}}
         (DOCS_DATA / f"{publish}.json").write_text(json.dumps(_clean(data), indent=1, allow_nan=False) + "\n")
     return path
 

@@ -211,9 +211,12 @@ def main(argv=None) -> int:
         args.max_new_tokens = json.loads(Path(args.from_json).read_text())["args"]["max_new_tokens"]
     res = evaluate(rows, args.ema, args.max_new_tokens)
     lengths = [r["length"] for r in rows]
+    summary = {"answers": len(rows), "length_median": float(np.median(lengths)), "length_min": min(lengths),
+               "length_max": max(lengths), "capped": sum(r["capped"] for r in rows)}
     path = write_json("remaining_work", {"benchmark": "remaining_work", "args": vars(args),
-                                         "environment": environment(), "results": res, "answers": rows},
-                      publish="remaining_work")
+                                         "environment": environment(), "summary": summary, "results": res,
+                                         "answers": rows},
+                      publish="remaining_work", unpublished=("answers",))
     print(f"{len(rows)} answers, length median {np.median(lengths):.0f} (min {min(lengths)}, max {max(lengths)}), "
           f"{sum(r['capped'] for r in rows)} reached the cap of {args.max_new_tokens}\n")
     cps = [c for c in CHECKPOINTS if c < args.max_new_tokens]
