@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from sgl_entropic.signal import entropy_exact
+from sgl_entropic.signal import Scratch, entropy_exact
 
 if TYPE_CHECKING:  # config imports pydantic only; keep this module torch-only at run time
     from sgl_entropic.config import SamplingConfig
@@ -110,14 +110,18 @@ def _entropy_from_log_probs(logp: Tensor) -> tuple[Tensor, Tensor]:
     return p, -plogp.sum(dim=-1)
 
 
-def entropy(logits: Tensor, temperature: Optional[Tensor] = None) -> Tensor:
+def entropy(logits: Tensor, temperature: Optional[Tensor] = None, scratch: Optional[Scratch] = None) -> Tensor:
     """[B] entropy in nats of softmax(logits / temperature[:, None]): the signal's `entropy_exact`.
 
     -inf logits are masked tokens (they contribute 0); computed in float32. A row with no
     distribution (NaN, +inf, nothing finite) gives NaN, which `update_temperature` holds.
+    `scratch`: reused buffers (see `signal.Scratch`); the scaled logits are written into one of them.
     """
     z = logits.float()
-    return entropy_exact(z if temperature is None else z / temperature.float().unsqueeze(-1))
+    if temperature is not None:
+        t = temperature.float().unsqueeze(-1)
+        z = z / t if scratch is None else torch.div(z, t, out=scratch.get(*z.shape, z.device)[0])
+    return entropy_exact(z, scratch)
 
 
 def heat_capacity(logits: Tensor, temperature: Optional[Tensor] = None) -> Tensor:
@@ -261,15 +265,16 @@ class ControllerBatch:
             self.floor, self.steps_done, self.warmup, valid,
         )
 
-    def step(self, logits: Tensor, valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def step(self, logits: Tensor, valid: Optional[Tensor] = None,
+             scratch: Optional[Scratch] = None) -> tuple[Tensor, Tensor]:
         """One zero-lag decode step on logits [B, V] (after penalties and grammar masks).
 
         Returns (temperature, probe_entropy): sample THIS step at ``temperature``; the batch's
         state becomes that temperature and ``steps_done`` advances by one for every row
         (held rows included). Rows whose logits have no distribution (NaN, +inf, all masked)
-        have a NaN probe and are held; ``valid`` can hold further rows.
+        have a NaN probe and are held; ``valid`` can hold further rows. ``scratch``: see `signal.Scratch`.
         """
-        probe = entropy(logits, self.temperature)
+        probe = entropy(logits, self.temperature, scratch)
         new_t = self.update(probe, valid)
         self.temperature = new_t
         self.steps_done = self.steps_done + 1

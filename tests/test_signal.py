@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from sgl_entropic.costs import ModelDims, attention_cost, step_cost
+from sgl_entropic.sampling import entropy as controller_entropy
 from sgl_entropic.signal import (
     EntropyTrace,
+    Scratch,
     entropy_exact,
     entropy_topk,
     token_stats,
@@ -180,6 +182,33 @@ def test_token_stats_on_a_vocabulary_sized_row_match_float64():
     dist = torch.distributions.Categorical(logits=logits.double() * inv_t.double()[:, None])
     torch.testing.assert_close(stats.entropy.double(), dist.entropy(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(stats.surprisal.double(), -dist.log_prob(tokens), atol=1e-4, rtol=1e-5)
+
+
+def test_the_reused_scratch_gives_the_values_of_fresh_memory():
+    """The sampler hook computes into reused buffers (signal.Scratch); batches of every shape, masked and
+    broken rows included, must come out as from freshly allocated temporaries, however the buffers were left."""
+    gen = torch.Generator().manual_seed(3)
+    scratch = Scratch()
+    for batch, vocab in ((4, 1000), (2, 3000), (7, 500), (4, 1000)):  # grows, then shorter rows in a larger buffer
+        logits = torch.randn(batch, vocab, generator=gen) * 5
+        logits[0, : vocab // 2] = -math.inf  # a grammar mask
+        logits[1, 3] = math.nan  # no distribution: flagged invalid
+        tokens = torch.randint(vocab // 2, vocab, (batch,), generator=gen)
+        inv_t = torch.rand(batch, generator=gen) + 0.5
+        for inv in (inv_t, None):
+            fresh, reused = token_stats(logits, tokens, inv), token_stats(logits, tokens, inv, scratch)
+            for a, b in zip(fresh, reused):
+                assert torch.equal(a, b)
+        torch.testing.assert_close(entropy_exact(logits, scratch), entropy_exact(logits), equal_nan=True, rtol=0,
+                                   atol=0)
+        temperature = 1.0 / inv_t  # the controller's probe at each row's temperature
+        torch.testing.assert_close(controller_entropy(logits, temperature, scratch),
+                                   controller_entropy(logits, temperature), equal_nan=True, rtol=0, atol=0)
+    copy = scratch.snapshot(logits)
+    assert torch.equal(copy.nan_to_num(), logits.nan_to_num())
+    again = scratch.snapshot(logits * 2)
+    assert again.data_ptr() == copy.data_ptr()  # the same memory, step after step
+    assert torch.equal(again.nan_to_num(), (logits * 2).nan_to_num())
 
 
 def test_entropy_trace_accumulates_entropic_time_and_cost():

@@ -46,8 +46,8 @@ class PagePlanner:
         self.group_tokens: Optional[int] = None  # the CPU backend's row groups (pruning.StepPlan.build)
         self.kv_pool = model_runner.token_to_kv_pool
         k0 = self.kv_pool.get_key_buffer(0)
-        self.store = PageStore(self.full_layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype, k0.device,
-                               self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
+        self.store = PageStore(self.full_layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype,
+                               k0.device, self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
         # KV slots written by dense decode steps whose keys are not folded into the page bounds yet
         self._deferred: list[torch.Tensor] = []
         self._deferred_slots = 0

@@ -18,7 +18,7 @@ from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
-from sgl_entropic.signal import EntropyTrace
+from sgl_entropic.signal import EntropyTrace, Scratch
 from sgl_entropic.speculative import DraftHits
 
 @dataclass(eq=False)  # identity semantics: tracked in a WeakSet
@@ -63,6 +63,7 @@ class Runtime:
     rows: Any = None
     forward_batch: Any = None
     pending: deque = field(default_factory=deque)  # sampled steps whose traces are on their way to the host
+    scratch: Scratch = field(default_factory=Scratch)  # the per-step signal's reused [B, V] buffers
     defer_prepare: bool = False
     split: Any = None
     # HTTP process: OpenAI streams waiting for their traces, by request id (openai_ext.py)

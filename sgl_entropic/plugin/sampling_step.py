@@ -26,7 +26,7 @@ from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import RequestState, Runtime
 from sgl_entropic.sampling import ControllerBatch, MirostatBatch
-from sgl_entropic.signal import TokenStats, token_stats
+from sgl_entropic.signal import Scratch, TokenStats, token_stats
 from sgl_entropic.transfer import to_device
 
 logger = logging.getLogger("sgl_entropic")
@@ -105,7 +105,7 @@ class SamplingStep:
     """
 
     def __init__(self, rows: BatchRows, req_pool_indices: torch.Tensor, sampling_info, logits: torch.Tensor,
-                 table: ControllerTable):
+                 table: ControllerTable, scratch: Optional[Scratch] = None):
         rows.drop_released()
         self.rows = rows
         device = logits.device
@@ -121,10 +121,10 @@ class SamplingStep:
             table.load([rows.reqs[i].kv.req_pool_idx for i in ctrl], [rows.states[i] for i in ctrl], "controller")
             z = logits.index_select(0, pos)
             batch = ControllerBatch(*table.entropic.index_select(1, slots))
-            new_t, _ = batch.step(z)
+            new_t, _ = batch.step(z, scratch=scratch)
             table.entropic[_T].index_copy_(0, slots, batch.temperature)
             table.entropic[_STEPS].index_copy_(0, slots, batch.steps_done)
-            logits.index_copy_(0, pos, z * (request_t[pos] / new_t).to(z.dtype)[:, None])
+            logits.index_copy_(0, pos, z.mul_((request_t[pos] / new_t).to(z.dtype)[:, None]))
             self.used_t = self.used_t.index_copy(0, pos, new_t)
 
         self.mirostat_rows = rows.positions("mirostat")
@@ -143,9 +143,10 @@ class SamplingStep:
         pos = to_device(positions, device)
         return pos, req_pool_indices.to(device).index_select(0, pos).long()
 
-    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int]) -> tuple[TokenStats, "PendingRecord"]:
+    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int],
+               scratch: Optional[Scratch] = None) -> tuple[TokenStats, "PendingRecord"]:
         """Measure the sampled rows on the device and start their one transfer to the host (not waited for)."""
-        stats = token_stats(snapshot, token_ids, self.inv_request_t)
+        stats = token_stats(snapshot, token_ids, self.inv_request_t, scratch)
         columns = [stats.entropy, stats.surprisal, stats.valid.float(), self.used_t]
         if self.mirostat_rows:
             pos, slots = self.mirostat_index
@@ -293,14 +294,14 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
     try:
-        step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers)
-        snapshot = logits.clone()  # the sampler turns logits into probabilities in place
+        step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers, rt.scratch)
+        snapshot = rt.scratch.snapshot(logits)  # the sampler turns logits into probabilities in place
     except Exception:
         logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
     try:
-        stats, pending = step.record(snapshot, token_ids, fb.seq_lens_cpu.tolist())
+        stats, pending = step.record(snapshot, token_ids, fb.seq_lens_cpu.tolist(), rt.scratch)
         rt.pending.append(pending)
         if rt.pages is not None:
             rt.pages.record_sampled(fb.req_pool_indices, rows.produces, stats)

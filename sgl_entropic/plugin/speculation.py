@@ -283,7 +283,7 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
         row_greedy = greedy.numpy()[np.nonzero(committed)[0]]
         temps = node_t.view(-1).index_select(0, keep)
         inv_t = torch.where(torch.from_numpy(row_greedy), 1.0, 1.0 / temps)  # greedy: measured at T = 1
-        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t)
+        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t, rt.scratch)
         host = np.zeros((5, bs, width), dtype=np.float32)
         host[:, committed] = np.stack([measured.entropy.numpy(), measured.surprisal.numpy(),
                                        measured.valid.numpy(), np.where(row_greedy, 0.0, temps.numpy()),
