@@ -112,7 +112,8 @@ def is_valid(folder: Path) -> bool:
 
 
 def _log(msg: str, start: float) -> None:
-    print(f"[sgl-entropic model {time.monotonic() - start:5.1f}s] {msg}", flush=True)
+    # stderr: stdout carries only the folder, for `--model-path "$(python -m sgl_entropic.model NAME)"`
+    print(f"[sgl-entropic model {time.monotonic() - start:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _convert(spec: ModelSpec, target: Path) -> None:
