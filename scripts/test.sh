@@ -15,5 +15,6 @@ for arg in "$@"; do
     *) args+=("$arg") ;;
   esac
 done
-bash scripts/setup.sh --router --docs  # tests/test_router.py runs smg, tests/test_docs.py builds the docs site
+# tests/test_router.py runs smg, tests/test_docs.py builds the docs site, tests/test_gemma_runtime.py serves Gemma
+bash scripts/setup.sh --router --docs --model gemma3-270m
 exec .venv/bin/python -m pytest ${tier[@]+"${tier[@]}"} --durations=15 ${args[@]+"${args[@]}"}
