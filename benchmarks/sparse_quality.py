@@ -86,8 +86,10 @@ def windows(tokenizer, contexts: dict[int, int], seed: int = 0) -> list[Window]:
         for kind, docs in sources.items():
             for i in range(per_kind):
                 ids = tokenizer(docs[i % len(docs)]).input_ids
-                start = rng.randrange(0, max(1, len(ids) - n))
-                out.append(Window(f"{kind}{n // 1000}k-{i}", ids[start : start + n]))
+                # a tokenizer that starts every text with BOS (Gemma) gets it at the window's start too
+                bos = ids[:1] if ids and ids[0] == tokenizer.bos_token_id else []
+                start = rng.randrange(len(bos), max(len(bos) + 1, len(ids) - n))
+                out.append(Window(f"{kind}{n // 1000}k-{i}", bos + ids[start : start + n - len(bos)]))
     return out
 
 
@@ -95,9 +97,9 @@ def windows(tokenizer, contexts: dict[int, int], seed: int = 0) -> list[Window]:
 
 
 class Runtime:
-    """One ModelRunner (bundled model), its stock backend, and our backends per PruningConfig."""
+    """One ModelRunner (a shipped model), its stock backend, and our backends per PruningConfig."""
 
-    def __init__(self, dtype: str, max_total_tokens: int, page_size: int = 16):
+    def __init__(self, dtype: str, max_total_tokens: int, page_size: int = 16, model: str = "smollm2-135m"):
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         # Our plugin, activated with the surprisal selector so its prompt-scoring hook exists too.
         config = EntropicConfig(mode="pruning", pruning={"selector": "surprisal", "page_size": page_size})
@@ -109,11 +111,11 @@ class Runtime:
         from sglang.srt.server_args import PortArgs, ServerArgs
 
         from sgl_entropic.costs import ModelDims
-        from sgl_entropic.model import prepare_bundled_model
+        from sgl_entropic.model import prepare_model
         from sgl_entropic.plugin import runtime
 
         load_plugins()
-        args = ServerArgs(model_path=str(prepare_bundled_model()), device="cpu", dtype=dtype, page_size=page_size,
+        args = ServerArgs(model_path=str(prepare_model(model)), device="cpu", dtype=dtype, page_size=page_size,
                           attention_backend="entropic", max_total_tokens=max_total_tokens, disable_cuda_graph=True)
         args.resolve_once()
         _set_envs_and_config(args)
@@ -247,7 +249,7 @@ class Tally:
 def needle_prompt(tokenizer, essay: str, context: int, names: list[str], keys: list[int], depths: list[float],
                   ask: int) -> str:
     """Three secret numbers hidden at `depths` of an essay haystack; the question asks for one."""
-    ids = tokenizer(essay).input_ids[: context - 80 * len(names)]
+    ids = tokenizer(essay, add_special_tokens=False).input_ids[: context - 80 * len(names)]
     parts, last = [], 0
     for name, key, depth in sorted(zip(names, keys, depths), key=lambda x: x[2]):
         cut = int(depth * len(ids))
@@ -383,6 +385,10 @@ def main() -> None:
     ap.add_argument("--checked", default="", help="only these configs also run free and answer the retrieval "
                     "cases (comma-separated names, default all); the others are teacher-forced only")
     ap.add_argument("--quick", action="store_true", help="one 2k window of each kind, 16 tokens, 2 configs")
+    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
+                    "than the bundled one publishes docs/data/sparse_quality_<model>.json")
+    ap.add_argument("--retrieval-contexts", default="", help="the retrieval cases' contexts (default: the contexts "
+                    "of 4000 tokens or more)")
     args = ap.parse_args()
     args.shares = [float(x) for x in args.shares.split(",") if x]
     args.entropy_budget = [float(x) for x in args.entropy_budget.split(",") if x]
@@ -390,7 +396,7 @@ def main() -> None:
         args.contexts, args.steps, args.shares = "2000:1", 16, []
     contexts = {int(c.split(":")[0]): int(c.split(":")[1]) for c in args.contexts.split(",")}
     torch.manual_seed(0)
-    rt = Runtime(args.dtype, max_total_tokens=16384)
+    rt = Runtime(args.dtype, max_total_tokens=max(16384, max(contexts) + 2 * args.steps + 256), model=args.model)
     wins = windows(rt.tokenizer, contexts)
     cfgs = configs(args)
     if args.quick:
@@ -402,13 +408,15 @@ def main() -> None:
     quality = run_suite(rt, cfgs, wins, args.steps, log_line, checked)
     retrieval = None
     if not args.no_retrieval:
-        long = [c for c in contexts if c >= 4000] or list(contexts)
+        long = ([int(c) for c in args.retrieval_contexts.split(",")] if args.retrieval_contexts
+                else [c for c in contexts if c >= 4000] or list(contexts))
         retrieval = run_retrieval(rt, {k: v for k, v in cfgs.items() if checked is None or k in checked},
                                   retrieval_cases(rt.tokenizer, long), log_line)
     md = table(quality, retrieval)
     path = write_json("sparse_quality", {"environment": environment(), "args": vars(args), "quality": quality,
                                          "retrieval": retrieval, "markdown": md},
-                      publish=None if args.quick else "sparse_quality")
+                      publish=None if args.quick else
+                      "sparse_quality" + ("" if args.model == "smollm2-135m" else f"_{args.model}"))
     print(md)
     log_line(f"results: {path}")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 _STAMP = ".sgl_entropic_ok"
+_CONVERTER = 2  # bumped when what the converter writes changes: older folders convert again
 # GGUF architecture -> the transformers model_type its conversion must give
 _MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text"}
 
@@ -97,18 +98,30 @@ def expected_config(gguf_path: Path) -> dict:
     return expected
 
 
+def adds_bos(gguf_path: Path) -> bool:
+    """Whether the GGUF's tokenizer starts every text with BOS (Gemma does; transformers' conversion drops it)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field is not None and field.contents())
+
+
+_NOT_CONFIG = ("source", "size", "converter")
+
+
 def _stamp_text(source: Path, expected: dict) -> str:
-    return json.dumps({"source": source.name, "size": source.stat().st_size, **expected})
+    return json.dumps({"source": source.name, "size": source.stat().st_size, "converter": _CONVERTER, **expected})
 
 
 def is_valid(folder: Path) -> bool:
-    """Cheap check: the stamp we write last is there, and the config agrees with what it recorded."""
+    """Cheap check: the stamp we write last is this converter's, and the config agrees with what it recorded."""
     stamp, config = folder / _STAMP, folder / "config.json"
     if not stamp.is_file() or not config.is_file():
         return False
     recorded = json.loads(stamp.read_text())
     config = json.loads(config.read_text())
-    return all(config.get(k) == v for k, v in recorded.items() if k not in ("source", "size"))
+    return recorded.get("converter") == _CONVERTER and all(
+        config.get(k) == v for k, v in recorded.items() if k not in _NOT_CONFIG)
 
 
 def _log(msg: str, start: float) -> None:
@@ -125,10 +138,11 @@ def _convert(spec: ModelSpec, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     source = spec.gguf(tmp)
-    expected = expected_config(source)
+    expected, bos = expected_config(source), adds_bos(source)
     _log(f"1/4 loading {source.name} (dequantizing to fp32)", start)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer.add_bos_token = bos  # as the GGUF says (a Gemma prompt without BOS is out of distribution)
     # The weights are dense fp32 now: drop the GGUF quantization marker, or save_pretrained refuses
     # and SGLang would look for a GGUF loader.
     model.hf_quantizer = None
@@ -142,14 +156,14 @@ def _convert(spec: ModelSpec, target: Path) -> None:
     if source.parent == tmp:  # an assembled GGUF: not part of the folder
         source.unlink()
     _log("3/4 checking what was written against the GGUF's metadata, reloading with transformers", start)
-    _verify(tmp, expected, spec.chat)
+    _verify(tmp, expected, spec.chat, bos)
     (tmp / _STAMP).write_text(stamp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     _log(f"4/4 ready: {target}", start)
 
 
-def _verify(folder: Path, expected: dict, chat: bool) -> None:
+def _verify(folder: Path, expected: dict, chat: bool, bos: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,6 +180,9 @@ def _verify(folder: Path, expected: dict, chat: bool) -> None:
                            f"{tokenizer.chat_template is not None}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    if (int(ids[0, 0]) == tokenizer.bos_token_id) != bos:
+        raise RuntimeError(f"the tokenizer {'does not start' if bos else 'starts'} a text with BOS; the GGUF says "
+                           f"add_bos_token={bos}")
     with torch.no_grad():
         logits = model(ids).logits
     if logits.shape[-1] != vocab or not torch.isfinite(logits).all():

@@ -200,7 +200,7 @@ def test_the_cuda_path_passes_the_self_check_and_plans_once_without_reading_the_
 
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(400 * 16, 3, 64, generator=gen)
-    store = PageStore(4, 400 * 16, 16, 3, 64, torch.float32, "cpu", 1, with_surprisal=False)
+    store = PageStore(range(4), 400 * 16, 16, 3, 64, torch.float32, "cpu", 1, with_surprisal=False)
     for layer in range(4):
         store.write_keys(layer, torch.arange(400 * 16), k)
     rows = [row_pages(n, math.nan, cfg) for n in (3000, 1700)]

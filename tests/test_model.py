@@ -14,11 +14,14 @@ def test_the_expected_config_comes_from_the_gguf_metadata(tmp_path):
     expected = model.expected_config(gguf)
     assert expected == {"model_type": "llama", "vocab_size": 49152, "num_hidden_layers": 30, "hidden_size": 576,
                         "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert model.adds_bos(gguf) is False  # SmolLM2's chat template carries its own start token
     folder = model.prepare_bundled_model()
-    model._verify(folder, expected, chat=True)  # the converted folder passes its own check
+    model._verify(folder, expected, chat=True, bos=False)  # the converted folder passes its own check
     for field, wrong in (("num_hidden_layers", 18), ("vocab_size", 262144), ("model_type", "gemma3_text")):
         with pytest.raises(RuntimeError, match=field):
-            model._verify(folder, {**expected, field: wrong}, chat=True)
+            model._verify(folder, {**expected, field: wrong}, chat=True, bos=False)
+    with pytest.raises(RuntimeError, match="BOS"):
+        model._verify(folder, expected, chat=True, bos=True)
 
 
 def test_a_folder_is_valid_only_while_its_config_matches_its_stamp(tmp_path):
@@ -26,8 +29,10 @@ def test_a_folder_is_valid_only_while_its_config_matches_its_stamp(tmp_path):
     folder.mkdir()
     assert not model.is_valid(folder)
     (folder / "config.json").write_text(json.dumps({"vocab_size": 49152, "num_hidden_layers": 30}))
-    (folder / model._STAMP).write_text(json.dumps({"source": "x.gguf", "size": 1, "vocab_size": 49152,
-                                                   "num_hidden_layers": 30}))
+    stamp = {"source": "x.gguf", "size": 1, "vocab_size": 49152, "num_hidden_layers": 30}
+    (folder / model._STAMP).write_text(json.dumps(stamp))
+    assert not model.is_valid(folder)  # an older converter's folder converts again
+    (folder / model._STAMP).write_text(json.dumps({**stamp, "converter": model._CONVERTER}))
     assert model.is_valid(folder)
     (folder / "config.json").write_text(json.dumps({"vocab_size": 49152, "num_hidden_layers": 18}))
     assert not model.is_valid(folder)
