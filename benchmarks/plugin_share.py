@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--batch-sizes", default="1,8", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--entropic-config", default=None, help="JSON for the servers")
     args = ap.parse_args()
