@@ -131,8 +131,9 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 def stop_process(proc: subprocess.Popen) -> None:
-    """Stop a server started here: its whole process group, and forget it."""
-    _kill_group(proc)
+    """Stop a server started here: its whole process group, and forget it. A short grace: on SIGTERM SGLang
+    sees its scheduler die and sleeps 5 s for crash diagnostics, which a stopped server does not need."""
+    _kill_group(proc, grace_s=2.0)
     _live.pop(proc.pid, None)
 
 
