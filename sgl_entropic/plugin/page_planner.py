@@ -129,10 +129,8 @@ class PagePlanner:
         for layer_id in self.store.layer_ids:
             self.store.write_keys(layer_id, locs, self.kv_pool.get_key_buffer(layer_id)[locs])
 
-    @staticmethod
-    def plain_layer(layer) -> bool:
-        """Layers our kernels serve: self-attention without a sliding window (others run SGLang's code)."""
-        return reads_whole_context(layer)
+    # Layers our kernels serve: self-attention without a sliding window (others run SGLang's code).
+    plain_layer = staticmethod(reads_whole_context)
 
     def sparse_layer(self, layer) -> bool:
         """Layers that attend a pruned plan: plain ones past the first `dense_layers`."""

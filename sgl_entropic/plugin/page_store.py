@@ -2,8 +2,8 @@
 
 Per KV page, layer and KV head: the element-wise min and max of its keys (the "quest" bound's
 metadata, 2 vectors per page: 1/8 of the K bytes at 16 tokens a page), for the layers that attend the
-whole context only (a sliding-window layer attends its window as SGLang does and needs none). Per KV slot, for the
-"surprisal" selector only: the token's surprisal. Both are indexed like the pool itself, so a
+whole context only (a sliding-window layer attends its window as SGLang does and needs none). Per KV
+slot, for the "surprisal" selector only: the token's surprisal. Both are indexed like the pool itself, so a
 RadixAttention prefix shared by a later request brings them along.
 """
 
