@@ -43,12 +43,13 @@ class Scratch:
         self._buf: Optional[torch.Tensor] = None
         self._copy: Optional[torch.Tensor] = None
 
-    def snapshot(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` in a reused buffer (the sampler turns logits into probabilities in place)."""
+    def snapshot(self, logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """float32 `logits * scale[:, None]` in a reused buffer (the sampler turns logits into probabilities
+        in place): the copy the step needs anyway, with the temperature applied in the same pass."""
         n, buf = logits.numel(), self._copy
-        if buf is None or buf.dtype != logits.dtype or buf.device != logits.device or buf.numel() < n:
-            buf = self._copy = torch.empty(n, dtype=logits.dtype, device=logits.device)
-        return buf[:n].view(logits.shape).copy_(logits)
+        if buf is None or buf.device != logits.device or buf.numel() < n:
+            buf = self._copy = torch.empty(n, dtype=torch.float32, device=logits.device)
+        return torch.mul(logits, scale[:, None], out=buf[:n].view(logits.shape))
 
     def get(self, rows: int, vocab: int, device) -> torch.Tensor:
         """A [2, rows, vocab] float32 view, grown (never shrunk) as batches grow."""
@@ -62,23 +63,21 @@ def _entropy_and_lse(x: torch.Tensor, row_max: Optional[torch.Tensor] = None,
                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and log-sum-exp of float32 rows `x`, shifted by the row max m for stability.
 
-    With u_i = x_i - m, s = sum_i e^{u_i} and t = sum_i e^{u_i} u_i:
-    lse = m + ln s and H = lse - sum_i p_i x_i = ln s - t / s.
-    A masked entry (u_i = -inf, e^{u_i} = 0) gives 0 * (-inf) = NaN in t, which nansum drops:
-    its contribution is 0. Six passes over the row; this runs every decode step on CPU.
-    `out`: a [2, B, V] float32 scratch for u and e^u (x itself may be out[0]); the same values, no new memory.
+    With u_i = x_i - m and p = softmax(u): the largest p is e^0 / s = 1 / s, so ln s = -ln max_i p_i,
+    lse = m + ln s and H = ln s - sum_i p_i u_i. A masked entry (u_i = -inf, p_i = 0) gives
+    0 * (-inf) = NaN in that sum, which nansum drops: its contribution is 0. ATen's fused softmax
+    is the one exponential pass (on a CPU its vectorized exp takes a third of `torch.exp`'s time,
+    at about 1e-5 nats of rounding in H); this runs every decode step.
+    `out`: a [2, B, V] float32 scratch for u and p (x itself may be out[0]); no new memory.
     """
-    row_max = x.amax(dim=-1, keepdim=True) if row_max is None else row_max[:, None]
-    if out is None:
-        shifted = x - row_max
-        weights = shifted.exp()
-    else:
-        shifted, weights = torch.sub(x, row_max, out=out[0]), torch.exp(out[0], out=out[1])
-    s = weights.sum(dim=-1)
-    t = shifted.mul_(weights).nansum(dim=-1)
-    log_s = s.log()
-    # H >= 0 exactly; rounding of ln s - t/s may dip a few ulps below.
-    return (log_s - t / s).clamp_min(0.0), row_max.squeeze(-1) + log_s
+    row_max = x.amax(dim=-1) if row_max is None else row_max
+    shifted = x - row_max[:, None] if out is None else torch.sub(x, row_max[:, None], out=out[0])
+    probs = torch.softmax(shifted, dim=-1) if out is None else torch.ops.aten._softmax.out(
+        shifted, -1, False, out=out[1])
+    log_s = -probs.amax(dim=-1).log()
+    t = probs.mul_(shifted).nansum(dim=-1)
+    # H >= 0 exactly; rounding of ln s - t may dip a few ulps below.
+    return (log_s - t).clamp_min(0.0), row_max + log_s
 
 
 def entropy_exact(logits: torch.Tensor, scratch: Optional[Scratch] = None) -> torch.Tensor:

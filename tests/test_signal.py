@@ -204,11 +204,13 @@ def test_the_reused_scratch_gives_the_values_of_fresh_memory():
         temperature = 1.0 / inv_t  # the controller's probe at each row's temperature
         torch.testing.assert_close(controller_entropy(logits, temperature, scratch),
                                    controller_entropy(logits, temperature), equal_nan=True, rtol=0, atol=0)
-    copy = scratch.snapshot(logits)
-    assert torch.equal(copy.nan_to_num(), logits.nan_to_num())
-    again = scratch.snapshot(logits * 2)
-    assert again.data_ptr() == copy.data_ptr()  # the same memory, step after step
-    assert torch.equal(again.nan_to_num(), (logits * 2).nan_to_num())
+    copy = scratch.snapshot(logits, inv_t)  # the sampler hook's scaled copy: token_stats' x
+    assert torch.equal(copy.nan_to_num(), (logits * inv_t[:, None]).nan_to_num())
+    scaled, unscaled = token_stats(copy, tokens, None, scratch), token_stats(logits, tokens, inv_t)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, unscaled))
+    again = scratch.snapshot(logits.bfloat16(), inv_t)
+    assert again.data_ptr() == copy.data_ptr()  # the same memory, step after step, whatever the logits' dtype
+    assert torch.equal(again.nan_to_num(), (logits.bfloat16().float() * inv_t[:, None]).nan_to_num())
 
 
 def test_entropy_trace_accumulates_entropic_time_and_cost():

@@ -146,7 +146,7 @@ class SamplingStep:
     def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int],
                scratch: Optional[Scratch] = None) -> tuple[TokenStats, "PendingRecord"]:
         """Measure the sampled rows on the device and start their one transfer to the host (not waited for)."""
-        stats = token_stats(snapshot, token_ids, self.inv_request_t, scratch)
+        stats = token_stats(snapshot, token_ids, None, scratch)  # the snapshot is scaled by inv_request_t
         columns = [stats.entropy, stats.surprisal, stats.valid.float(), self.used_t]
         if self.mirostat_rows:
             pos, slots = self.mirostat_index
@@ -295,7 +295,7 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
     try:
         step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers, rt.scratch)
-        snapshot = rt.scratch.snapshot(logits)  # the sampler turns logits into probabilities in place
+        snapshot = rt.scratch.snapshot(logits, step.inv_request_t)  # the sampler changes logits in place
     except Exception:
         logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
