@@ -19,6 +19,8 @@ ours/kernel (pruning) per round; total = kernel x pruning within a round.
 
     .venv/bin/python benchmarks/attention_pruning.py                  # full run (~80 min, 2 cores)
     .venv/bin/python benchmarks/attention_pruning.py --quick          # smoke run
+    .venv/bin/python benchmarks/attention_pruning.py --model gemma3-270m --contexts 8000,16000 --batches 1
+                                                  # the second model (docs/data/attention_pruning_gemma3-270m.json)
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import (  # noqa: E402
-    bundled_model,
     default_device,
     environment,
     free_port,
@@ -53,6 +54,7 @@ from common import (  # noqa: E402
 import requests  # noqa: E402
 
 from sgl_entropic.config import PruningConfig  # noqa: E402
+from sgl_entropic.model import prepare_model  # noqa: E402
 from sgl_entropic.pruning import row_pages  # noqa: E402
 
 
@@ -133,6 +135,8 @@ def read_share(cfg: PruningConfig, context: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
+                    "than the bundled one publishes docs/data/attention_pruning_<model>.json")
     ap.add_argument("--contexts", default="4000,7000")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per request")
@@ -150,9 +154,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    model, device = bundled_model(), default_device()
+    model, device = str(prepare_model(args.model)), default_device()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"])
+    # the bundled model's pool is set in sglang_common_args; another model's fits the largest batch of contexts
+    pool = [] if args.model == "smollm2-135m" else ["--max-total-tokens", str(max(
+        65536, max(b * (n + args.tokens) for n in contexts for b in batches)))]
+    common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"] + pool)
     commands = {"stock": lambda port: stock_command(port, common),
                 "kernel": lambda port: ours_command(port, common, "pruning", KEEP_ALL),
                 "ours": lambda port: ours_command(port, common, "pruning", entropic_config)}
@@ -204,9 +211,9 @@ def main() -> None:
                "kernel part", "pruning part", "TTFT ours/stock", "kept share", "KV bytes & attn FLOPs read",
                "ROUGE-L vs stock"]
     md = markdown_table(headers, table)
-    path = write_json("attention_pruning", {"environment": environment(), "args": vars(args), "rows": rows,
-                                            "probes": probes, "markdown": md},
-                      publish=None if args.quick else "attention_pruning")
+    name = "attention_pruning" + ("" if args.model == "smollm2-135m" else f"_{args.model}")
+    path = write_json(name, {"environment": environment(), "args": vars(args), "rows": rows,
+                             "probes": probes, "markdown": md}, publish=None if args.quick else name)
     print(md)
     log_line(f"results: {path} (median over {args.rounds} rounds, min-max in parentheses)")
 

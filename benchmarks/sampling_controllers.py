@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     Batch,
-    bundled_model,
     chat,
     default_device,
     environment,
@@ -51,6 +50,8 @@ from common import (  # noqa: E402
     start_server,
     write_json,
 )
+
+from sgl_entropic.model import BUNDLED, MODELS, prepare_model  # noqa: E402
 
 PROMPTS = [
     # stories
@@ -111,7 +112,7 @@ def payloads(args, temperature: float, entropic: dict | None) -> list[dict]:
         sp = {"max_new_tokens": args.max_tokens, "temperature": temperature, "sampling_seed": args.seed + i}
         if entropic is not None:
             sp["custom_params"] = {"entropic": entropic}
-        out.append({"text": chat(q), "sampling_params": sp, "return_entropy": True})
+        out.append({"text": args.wrap(q), "sampling_params": sp, "return_entropy": True})
     return out
 
 
@@ -207,7 +208,7 @@ def rel(x: float, ref: float) -> float:
 
 
 def run(args) -> dict:
-    model = args.model_path or bundled_model()
+    model = args.model_path or str(prepare_model(args.model))
     extra = list(args.server_arg)
     if args.deterministic:
         extra.append("--enable-deterministic-inference")
@@ -219,7 +220,7 @@ def run(args) -> dict:
         if info.get("mode") != "sampling" or not info.get("plugin_loaded_in_scheduler"):
             raise RuntimeError(f"plugin not active in sampling mode: {info!r}")
         # warm-up, discarded
-        require_ok(run_batch(srv.url, [{"text": chat("Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1,
+        require_ok(run_batch(srv.url, [{"text": args.wrap("Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1,
                              args.timeout), "warm-up")
 
         entropic_params = {"target_entropy": args.target, "eta": args.eta}
@@ -326,7 +327,10 @@ def main(argv=None) -> int:
                          "CUDA, off on CPU (SGLang 0.5.23 refuses it for the CPU attention backends)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M")
+    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
+                    "than the bundled one publishes docs/data/sampling_controllers_<model>.json; a base model "
+                    "gets each prompt as 'Question: ...\\nAnswer:' instead of the chat wrapping")
+    ap.add_argument("--model-path", default=None, help="any other model folder (overrides --model)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra sglang flag (repeatable; "
                     "use --server-arg=--flag --server-arg=value)")
     ap.add_argument("--timeout", type=float, default=1200, help="per-request timeout (s)")
@@ -343,9 +347,12 @@ def main(argv=None) -> int:
     if len(args.temps) < 2:
         ap.error("--temps needs at least two temperatures")
 
+    args.wrap = chat if MODELS[args.model].chat else (lambda q: f"Question: {q}\nAnswer:")
     res = run(args)
+    del args.wrap
     out = {"benchmark": "sampling_controllers", "args": vars(args), "environment": environment(), **res}
-    path = write_json("sampling_controllers", out, publish=None if args.quick else "sampling_controllers")
+    name = "sampling_controllers" + ("" if args.model == BUNDLED or args.model_path else f"_{args.model}")
+    path = write_json(name, out, publish=None if args.quick else name)
     print("## Entropy-stabilised sampling: fixed T (matched mean entropy) vs Mirostat v2 vs entropic\n")
     print(f"{args.prompts} chat prompts, max {args.max_tokens} new tokens (no ignore_eos), same sampling_seed per "
           f"prompt in every config{'' if args.deterministic else ' (NOT enforced: no deterministic inference, SGLang ignores the seed)'}, "
