@@ -156,9 +156,7 @@ def main() -> None:
 
     model, device = str(prepare_model(args.model)), default_device()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    # the bundled model's pool is set in sglang_common_args; another model's fits the largest batch of contexts
-    pool = [] if args.model == "smollm2-135m" else ["--max-total-tokens", str(max(
-        65536, max(b * (n + args.tokens) for n in contexts for b in batches)))]
+    pool = ["--max-total-tokens", str(max(65536, max(b * (n + args.tokens) for n in contexts for b in batches)))]
     common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"] + pool)
     commands = {"stock": lambda port: stock_command(port, common),
                 "kernel": lambda port: ours_command(port, common, "pruning", KEEP_ALL),

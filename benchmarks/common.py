@@ -78,8 +78,10 @@ def sglang_common_args(model_path: str, device: str, dtype: str, extra: Sequence
     args = ["--model-path", model_path, "--device", device, "--dtype", dtype, "--host", HOST]
     from sgl_entropic.model import bundled_model_path
 
+    if "--max-total-tokens" not in extra:  # SGLang's CPU default sizes the pool from the machine's memory
+        args += ["--max-total-tokens", "65536"]
     if Path(model_path) == bundled_model_path():
-        args += ["--max-total-tokens", "65536", "--chat-template", "chatml"]
+        args += ["--chat-template", "chatml"]
     return args + list(extra)
 
 

@@ -147,6 +147,8 @@ def _cell(e: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
+                    "than the bundled one publishes docs/data/plugin_overhead_<model>.json")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="short,long,shared-prefix")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="stock is always run")
@@ -171,7 +173,9 @@ def main() -> None:
     extra = json.loads(args.entropic_config) if args.entropic_config else None
 
     device = common.default_device()
-    model = common.bundled_model()
+    from sgl_entropic.model import prepare_model
+
+    model = str(prepare_model(args.model))
     common_args = common.sglang_common_args(model, device, args.dtype)
     runs, infos = [], {}
     for rnd in range(args.rounds):
@@ -204,9 +208,10 @@ def main() -> None:
     summary, table = summarize(runs, configs, workloads)
     plugin_summary, plugin_table = summarize_plugin_time(runs, configs, workloads)
     print(table + "\n\n### the plugin's own time per decode step (measured in each server)\n\n" + plugin_table)
+    name = "plugin_overhead" + ("" if args.model == "smollm2-135m" else f"_{args.model}")
     path = common.write_json("full_system", {
         "args": vars(args), "environment": common.environment(), "runs": runs, "summary": summary,
-        "plugin_time": plugin_summary, "entropic_server_info": infos}, publish=None if args.quick else "plugin_overhead")
+        "plugin_time": plugin_summary, "entropic_server_info": infos}, publish=None if args.quick else name)
     common.log_line(f"wrote {path.relative_to(common.ROOT)}")
 
 

@@ -23,6 +23,9 @@ round's ratio to stock of that round, and the rules' ratio to the best fixed len
 
     .venv/bin/python benchmarks/speculative_decoding.py            # the table (3 rounds, ~1.7 h on 2 cores)
     .venv/bin/python benchmarks/speculative_decoding.py --quick    # a smoke run
+    .venv/bin/python benchmarks/speculative_decoding.py --model gemma3-270m --workloads agent
+        # the second model, a base model served with SGLang's gemma-it template (agent only: the other workloads'
+        # client applies the tokenizer's template, which a base model lacks); docs/data/speculative_decoding_gemma3-270m.json
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ WORKLOADS = ("agent", "doc", "chat")
 SIZES = {  # requests (agent: conversations of 3 turns) at concurrency 1 and 8
     "agent": {1: 2, 8: 8}, "doc": {1: 2, 8: 6}, "chat": {1: 3, 8: 8}}
 OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128}  # the most a turn or answer may take
+CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
 
 # ---------------------------------------------------------------------------- workload files (real text)
@@ -185,12 +189,14 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--configs", default="stock,ours,fixed-2,fixed-4,acceptance,entropy")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--output", default=str(DATA))
+    ap.add_argument("--output", default=None, help=f"default: {DATA.relative_to(common.ROOT)} (another model: "
+                    "its name before .json)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 requests each, 32 tokens")
     ap.add_argument("--summarize", metavar="RUN_JSON",
                     help="write the table again from a run's file (a partial one: over the rounds it finished)")
@@ -215,15 +221,22 @@ def main() -> None:
     workloads = args.workloads.split(",")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     configs, rounds = args.configs.split(","), args.rounds
-    model = common.bundled_model()
     from transformers import AutoTokenizer
+
+    from sgl_entropic.model import BUNDLED, MODELS, prepare_model
+
+    if not MODELS[args.model].chat and set(workloads) - {"agent"}:
+        ap.error(f"{args.model} is a base model: only the agent workload (the server applies SGLang's chat template)")
+    model = str(prepare_model(args.model))
+    if args.output is None:
+        args.output = str(DATA if args.model == BUNDLED else DATA.with_name(f"{DATA.stem}_{args.model}.json"))
 
     common.LOG_DIR.mkdir(parents=True, exist_ok=True)
     make = {"agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
             "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
             "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json")}
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
-    common_args = common.sglang_common_args(model, "cpu", args.dtype)
+    common_args = common.sglang_common_args(model, "cpu", args.dtype, CHAT_TEMPLATE.get(args.model, []))
     runs = []
     for rnd in range(rounds):
         order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]

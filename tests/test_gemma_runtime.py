@@ -1,6 +1,7 @@
 """The second shipped model, Gemma 3 270M (15 of 18 layers sliding-window, 512 tokens; a 262k vocabulary),
-on the real server against stock SGLang: traces and the controller work, and decode that prunes the three
-global layers past the window answers a passkey placed far outside the window as stock does."""
+on the real server against stock SGLang: traces and the controller work, decode that prunes the three
+global layers past the window answers a passkey placed far outside the window as stock does, and NGRAM
+speculative decoding (whose verify forward applies the sliding windows itself) is token-identical to stock."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def gemma_servers(tmp_path_factory):
     stock = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", *ARGS]
     stock_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
-    logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma", "gemma-stock")]
-    with ThreadPoolExecutor(2) as pool:  # both load at once
-        started = [pool.submit(start_server, ours, logs[0]), pool.submit(start_server, stock, logs[1], stock_env)]
+    spec = [*ours, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma", "gemma-stock", "gemma-spec")]
+    with ThreadPoolExecutor(3) as pool:  # all load at once
+        started = [pool.submit(start_server, ours, logs[0]), pool.submit(start_server, stock, logs[1], stock_env),
+                   pool.submit(start_server, spec, logs[2])]
         servers = [f.result() for f in started]
     yield servers
-    with ThreadPoolExecutor(2) as pool:  # each takes seconds to shut down
+    with ThreadPoolExecutor(3) as pool:  # each takes seconds to shut down
         list(pool.map(lambda srv: stop_server(srv.proc), servers))
 
 
@@ -47,7 +50,7 @@ def gemma_servers(tmp_path_factory):
 def passkeys(gemma_servers):
     """Keys far outside the 512-token window (1.3k and 0.8k tokens back in ~1.6k): only the three global
     layers can see them. Pruned (ours) and dense (stock), greedy."""
-    ours, stock = gemma_servers
+    ours, stock, _ = gemma_servers
     rng = random.Random(5)
     cases = [Case(1600, depth, rng.randint(10000, 99999)) for depth in (0.2, 0.5)]
 
@@ -82,10 +85,29 @@ def test_gemma_traces_cover_every_token_over_its_262k_vocabulary(passkeys):
 
 
 def test_gemma_controller_steers_the_temperature(gemma_servers):
-    ours, _ = gemma_servers
+    ours = gemma_servers[0]
     out = ours.generate({"text": "The history of the lighthouse begins", "return_entropy": True,
                          "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
                                              "custom_params": {"entropic": {"target_entropy": 1.0}}}})
     temps = out["meta_info"]["temperature"]
     assert len(temps) == 24 and len(set(temps)) > 1  # the controller moved T
     assert all(0.0 < t <= 2.0 for t in temps)
+
+
+def test_gemma_speculative_decoding_is_token_identical_to_stock(gemma_servers, passkeys):
+    """Greedy, dense verify steps against stock's dense decode: the passkey prompts put every verified node
+    ~1.6k tokens in, where the sliding layers must see only their last 512; the copying prompt gets drafts accepted."""
+    import sglang
+
+    _, stock, spec = gemma_servers
+    cases, _, _ = passkeys
+    readme = open(sglang.__file__.replace("__init__.py", "README.md")).read()
+    copying = readme.split("## Files")[0] + "\n\nThe same list of folders, copied exactly:\n"
+    params = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+    texts = [case.prompt for case in cases] + [copying]
+    with ThreadPoolExecutor(2) as pool:
+        dense = list(pool.map(lambda t: stock.generate({"text": t, "sampling_params": params}), texts))
+        drafted = list(pool.map(lambda t: spec.generate({"text": t, "sampling_params": params}), texts))
+    for d, s in zip(dense, drafted):
+        assert s["output_ids"] == d["output_ids"], (s["text"], d["text"])
+    assert drafted[-1]["meta_info"]["spec_num_correct_drafts"] > 0  # drafts were accepted, not only verified
