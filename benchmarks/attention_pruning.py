@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from common import (  # noqa: E402
+    data_name,
     default_device,
     environment,
     free_port,
@@ -209,7 +210,7 @@ def main() -> None:
                "kernel part", "pruning part", "TTFT ours/stock", "kept share", "KV bytes & attn FLOPs read",
                "ROUGE-L vs stock"]
     md = markdown_table(headers, table)
-    name = "attention_pruning" + ("" if args.model == "smollm2-135m" else f"_{args.model}")
+    name = data_name("attention_pruning", args.model)
     path = write_json(name, {"environment": environment(), "args": vars(args), "rows": rows,
                              "probes": probes, "markdown": md}, publish=None if args.quick else name)
     print(md)

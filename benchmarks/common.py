@@ -63,6 +63,13 @@ def bundled_model() -> str:
     return str(prepare_bundled_model())
 
 
+def data_name(name: str, model: str) -> str:
+    """The published data's name for a shipped model: the bundled one's is `name`, another's `name_<model>`."""
+    from sgl_entropic.model import BUNDLED
+
+    return name if model == BUNDLED else f"{name}_{model}"
+
+
 def model_dims(model_path: str, dtype: str):
     """The served model's shape, for the cost formulas (sgl_entropic.costs), from its own config."""
     from transformers import AutoConfig

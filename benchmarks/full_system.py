@@ -208,7 +208,7 @@ def main() -> None:
     summary, table = summarize(runs, configs, workloads)
     plugin_summary, plugin_table = summarize_plugin_time(runs, configs, workloads)
     print(table + "\n\n### the plugin's own time per decode step (measured in each server)\n\n" + plugin_table)
-    name = "plugin_overhead" + ("" if args.model == "smollm2-135m" else f"_{args.model}")
+    name = common.data_name("plugin_overhead", args.model)
     path = common.write_json("full_system", {
         "args": vars(args), "environment": common.environment(), "runs": runs, "summary": summary,
         "plugin_time": plugin_summary, "entropic_server_info": infos}, publish=None if args.quick else name)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Batch,
     chat,
+    data_name,
     default_device,
     environment,
     free_port,
@@ -51,7 +52,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from sgl_entropic.model import BUNDLED, MODELS, prepare_model  # noqa: E402
+from sgl_entropic.model import MODELS, prepare_model  # noqa: E402
 
 PROMPTS = [
     # stories
@@ -106,13 +107,18 @@ PROMPTS = [
 # ---------------------------------------------------------------------------- requests
 
 
+def prompt(args, question: str) -> str:
+    """An instruct model's chat wrapping; a base model gets plain question-answer text."""
+    return chat(question) if MODELS[args.model].chat else f"Question: {question}\nAnswer:"
+
+
 def payloads(args, temperature: float, entropic: dict | None) -> list[dict]:
     out = []
     for i, q in enumerate(PROMPTS[: args.prompts]):
         sp = {"max_new_tokens": args.max_tokens, "temperature": temperature, "sampling_seed": args.seed + i}
         if entropic is not None:
             sp["custom_params"] = {"entropic": entropic}
-        out.append({"text": args.wrap(q), "sampling_params": sp, "return_entropy": True})
+        out.append({"text": prompt(args, q), "sampling_params": sp, "return_entropy": True})
     return out
 
 
@@ -220,7 +226,7 @@ def run(args) -> dict:
         if info.get("mode") != "sampling" or not info.get("plugin_loaded_in_scheduler"):
             raise RuntimeError(f"plugin not active in sampling mode: {info!r}")
         # warm-up, discarded
-        require_ok(run_batch(srv.url, [{"text": args.wrap("Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1,
+        require_ok(run_batch(srv.url, [{"text": prompt(args, "Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1,
                              args.timeout), "warm-up")
 
         entropic_params = {"target_entropy": args.target, "eta": args.eta}
@@ -347,11 +353,9 @@ def main(argv=None) -> int:
     if len(args.temps) < 2:
         ap.error("--temps needs at least two temperatures")
 
-    args.wrap = chat if MODELS[args.model].chat else (lambda q: f"Question: {q}\nAnswer:")
     res = run(args)
-    del args.wrap
     out = {"benchmark": "sampling_controllers", "args": vars(args), "environment": environment(), **res}
-    name = "sampling_controllers" + ("" if args.model == BUNDLED or args.model_path else f"_{args.model}")
+    name = "sampling_controllers" if args.model_path else data_name("sampling_controllers", args.model)
     path = write_json(name, out, publish=None if args.quick else name)
     print("## Entropy-stabilised sampling: fixed T (matched mean entropy) vs Mirostat v2 vs entropic\n")
     print(f"{args.prompts} chat prompts, max {args.max_tokens} new tokens (no ignore_eos), same sampling_seed per "

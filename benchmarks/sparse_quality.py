@@ -369,7 +369,7 @@ def table(quality: dict, retrieval: Optional[dict]) -> str:
 
 
 def main() -> None:
-    from common import environment, log_line, write_json
+    from common import data_name, environment, log_line, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2000:1,4000:3,7000:2",
@@ -415,8 +415,7 @@ def main() -> None:
     md = table(quality, retrieval)
     path = write_json("sparse_quality", {"environment": environment(), "args": vars(args), "quality": quality,
                                          "retrieval": retrieval, "markdown": md},
-                      publish=None if args.quick else
-                      "sparse_quality" + ("" if args.model == "smollm2-135m" else f"_{args.model}"))
+                      publish=None if args.quick else data_name("sparse_quality", args.model))
     print(md)
     log_line(f"results: {path}")
 

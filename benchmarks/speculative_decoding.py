@@ -223,13 +223,13 @@ def main() -> None:
     configs, rounds = args.configs.split(","), args.rounds
     from transformers import AutoTokenizer
 
-    from sgl_entropic.model import BUNDLED, MODELS, prepare_model
+    from sgl_entropic.model import MODELS, prepare_model
 
     if not MODELS[args.model].chat and set(workloads) - {"agent"}:
         ap.error(f"{args.model} is a base model: only the agent workload (the server applies SGLang's chat template)")
     model = str(prepare_model(args.model))
     if args.output is None:
-        args.output = str(DATA if args.model == BUNDLED else DATA.with_name(f"{DATA.stem}_{args.model}.json"))
+        args.output = str(DATA.with_name(common.data_name(DATA.stem, args.model) + ".json"))
 
     common.LOG_DIR.mkdir(parents=True, exist_ok=True)
     make = {"agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
