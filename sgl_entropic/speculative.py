@@ -5,8 +5,8 @@ Torch and numpy (for the host's small per-step arrays); nothing here imports sgl
 
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
-All rows of a verify batch share one width W (SGLang's layout), so a step costs about
-t0 + t_row * rows + t_draft * rows * (W - 1) and commits, per row, its bonus token plus the drafts accepted in a row. A rule picks W per step:
+All rows of a verify batch share one width W (SGLang's layout), so a step costs T(rows, W) and commits, per row,
+its bonus token plus the drafts accepted in a row. A rule picks W per step:
 
 * ``fixed``: the server's maximum, every step (SGLang's own behaviour);
 * ``matched``: 1 + the most drafts any row's trie match offers (never verifies padding);
@@ -17,10 +17,11 @@ t0 + t_row * rows + t_draft * rows * (W - 1) and commits, per row, its bonus tok
   exp(-H_r) is a lower bound on the probability of the model's most likely token (Shannon entropy >=
   min-entropy), H_r the mean entropy of the tokens row r committed in its last step: where the drafts copy
   what the model would say, each is accepted with at least that chance. q_r, the request's own rate of
-  accepted drafts (`DraftHits`), caps it where they do not (open chat: a sure model, a trie guessing wrong).
-  Where the model is unsure its drafts are short or none, whatever the trie offers. T is a least-squares fit of this
-  server's own verify steps, a fixed part, a part per row and a part per draft (`StepTimes`). Nothing in the
-  rule is tuned to a prompt.
+  accepted drafts (`DraftHits`, starting from the server's recent rate), caps it where they do not (open chat:
+  a sure model, a trie guessing wrong).
+  Where the model is unsure its drafts are short or none, whatever the trie offers. T is this server's own
+  measured verify-step time at that many rows and that width (`StepTimes`). Nothing in the rule is tuned to a
+  prompt.
 
 Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
 drafts (a shorter row would cost the same padded slots).
@@ -78,70 +79,76 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
 
 @dataclass
 class StepTimes:
-    """Least-squares fit t = t0 + t_row * rows + t_draft * rows * (W - 1) of this server's verify steps, recent
-    steps weighted most (`decay` per step: a changing machine is followed).
+    """This server's verify-step time per (rows, width): an EMA of each cell's measured steps.
 
-    A row costs its prefix's attention whatever its width, a draft only its own token: one slope for both made a
-    long context's rows look like expensive drafts. Ridge terms pull t_row and t_draft toward 0 (the prior: a
-    draft is free until the steps show its price). On t_draft the pull is strong, `draft_ridge` step-weights of
-    one row-draft: a batch of one, where a draft costs about 1 % of a step, measures its price below the steps'
-    noise and must not stop drafting on noise; a batch of eight measures it over eight times the spread and
-    outweighs the prior. A rule that stopped drafting learns the price again by drafting.
+    Measured, not modelled: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x one row's (a matrix-vector pass per
+    row) and more than 4-8 rows' (a real GEMM), while bf16 ones with AVX-512 are flat up to 8 rows; a line
+    through the steps priced drafts wrongly on one or the other. Between measured widths the price is
+    interpolated; past the widest measured one it is that one's (a wider step is free until a step shows its
+    price, so the rule tries it once). A cell not measured in the last `horizon` steps is forgotten: the context
+    grows, and a width priced long ago is tried again.
     """
 
-    decay: float = 0.98
-    row_ridge: float = 1e-3
-    draft_ridge: float = 4.0
-    xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    _fit: Optional[tuple[float, float, float]] = None  # solved once per observation
+    alpha: float = 0.3
+    horizon: int = 256
+    cells: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)  # -> (seconds, step measured)
+    steps: int = 0
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        x = np.array([1.0, rows, rows * (width - 1)])
-        self.xtx = self.decay * self.xtx + np.outer(x, x)
-        self.xty = self.decay * self.xty + x * seconds
-        self._fit = None
+        self.steps += 1
+        old = self.cells.get((rows, width))
+        ema = seconds if old is None or self.steps - old[1] > self.horizon else \
+            (1 - self.alpha) * old[0] + self.alpha * seconds
+        self.cells[(rows, width)] = (ema, self.steps)
 
-    def fit(self) -> tuple[float, float, float]:
-        """(t0, t_row, t_draft) in seconds; zeros before any step."""
-        if self._fit is None:
-            w = self.xtx[0, 0]
-            if w == 0:
-                return 0.0, 0.0, 0.0
-            penalty = w * np.diag([0.0, self.row_ridge, self.draft_ridge])
-            t0, t_row, t_draft = np.linalg.solve(self.xtx + penalty, self.xty)
-            self._fit = max(float(t0), 0.0), max(float(t_row), 0.0), max(float(t_draft), 0.0)
-        return self._fit
+    def measured(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(widths, seconds) measured at `rows` within the horizon, narrowest first."""
+        fresh = sorted((w, t) for (r, w), (t, at) in self.cells.items() if r == rows and self.steps - at <= self.horizon)
+        return np.array([w for w, _ in fresh], dtype=float), np.array([t for _, t in fresh])
 
     def seconds(self, rows: int, widths: np.ndarray) -> np.ndarray:
-        t0, t_row, t_draft = self.fit()
-        return t0 + t_row * rows + t_draft * rows * (widths - 1)
+        """A step's price at each width; zeros where nothing at `rows` is measured yet."""
+        xs, ys = self.measured(rows)
+        if len(xs) == 0:
+            return np.zeros(len(widths))
+        return np.interp(widths, xs, ys)
+
+    def table(self) -> dict[str, float]:
+        """`/server_info`: the fresh cells, "rows x width" -> seconds."""
+        return {f"{r}x{w}": t for (r, w), (t, at) in sorted(self.cells.items()) if self.steps - at <= self.horizon}
 
 
 @dataclass
 class DraftHits:
-    """A request's verified drafts: every draft position verification tried is a trial (a row's run ends at its
-    first rejection; positions past it are not tried), decayed per step so that the rate follows the text."""
+    """Verified drafts: every draft position verification tried is a trial (a row's run ends at its first
+    rejection; positions past it are not tried), decayed per step so that the rate follows the text. One per
+    request, and one for the server, pooled over its requests."""
 
     hits: float = 0.0
     trials: float = 0.0
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if drafted > 0:
-            self.hits = HITS_DECAY * self.hits + accepted
-            self.trials = HITS_DECAY * self.trials + accepted + (accepted < drafted)
+        self.observe_step([drafted], [accepted])
 
-    @property
-    def rate(self) -> float:
-        """Accepted per tried, one hit assumed: optimistic (1 before any draft was tried), so that short drafts,
-        which try little, do not keep the rate low by themselves; a few misses bring it down."""
-        return (self.hits + 1.0) / (self.trials + 1.0)
+    def observe_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """One verify step's rows (the server's record: one decay a step, whatever the batch)."""
+        tried = [(d, a) for d, a in zip(drafted, accepted) if d > 0]
+        if tried:
+            self.hits = HITS_DECAY * self.hits + sum(a for _, a in tried)
+            self.trials = HITS_DECAY * self.trials + sum(a + (a < d) for d, a in tried)
+
+    def rate(self, prior: float = 1.0) -> float:
+        """Accepted per tried, with one trial's worth of `prior`: a request starts at what the server's
+        requests have lately seen (1, optimistic, for the server's own record), and a few of its own misses
+        or hits outweigh it, so short drafts, which try little, do not keep the rate low by themselves."""
+        return (self.hits + prior) / (self.trials + 1.0)
 
 
-def draft_acceptance(entropy: Optional[float], hits: DraftHits) -> float:
-    """a_r = min(exp(-H_r), q_r) (module docstring); a row with no measured entropy yet counts as sure."""
+def draft_acceptance(entropy: Optional[float], hits: DraftHits, server: Optional[DraftHits] = None) -> float:
+    """a_r = min(exp(-H_r), q_r) (module docstring), q_r the request's rate with the server's as its prior; a row
+    with no measured entropy yet counts as sure."""
     sure = 1.0 if entropy is None or not math.isfinite(entropy) else math.exp(-max(entropy, 0.0))
-    return min(sure, hits.rate)
+    return min(sure, hits.rate(server.rate() if server is not None else 1.0))
 
 
 def entropy_width(offers: Sequence[int], acceptance: Sequence[float], times: StepTimes) -> int:
@@ -166,6 +173,7 @@ class DraftSizer:
     max_width: int  # SGLang's speculative_num_draft_tokens: nodes per row, the root included
     times: StepTimes
     accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
+    hits: DraftHits = field(default_factory=DraftHits)  # entropy rule: the server's drafts, every request's
 
     def width(self, offers: Sequence[int], acceptance: Sequence[float]) -> int:
         """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers, `acceptance`
@@ -180,9 +188,10 @@ class DraftSizer:
             return min(most, self.max_width, 2 + round(max(ema, 0.0)))
         return min(entropy_width(offers, acceptance, self.times), self.max_width)
 
-    def observe(self, width: int, rows: int, seconds: float, accepted: Sequence[int]) -> None:
-        """A verify step's outcome: its time (the fit) and the drafts each row accepted (the EMA)."""
+    def observe(self, width: int, rows: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """A verify step's outcome: its time and the drafts each row tried and accepted."""
         self.times.observe(rows, width, seconds)
+        self.hits.observe_step(drafted, accepted)
         if accepted and width > 1:
             mean = sum(accepted) / len(accepted)
             a = ACCEPTANCE_EMA_ALPHA

@@ -145,33 +145,47 @@ def test_the_padding_of_a_short_trie_match_is_not_a_draft():
     assert tree_parents(mask).tolist() == parent
 
 
-def test_step_times_recover_the_fixed_the_per_row_and_the_per_draft_cost():
-    steps = [(1, 1), (4, 3), (8, 1), (2, 6), (8, 5), (3, 2)] * 5
-    unpulled, pulled = StepTimes(draft_ridge=0.0), StepTimes()
-    for times in (unpulled, pulled):
-        for rows, width in steps:
-            times.observe(rows, width, 0.05 + 0.02 * rows + 0.004 * rows * (width - 1))
-    assert unpulled.fit() == (pytest.approx(0.05, rel=1e-2), pytest.approx(0.02, rel=1e-2),
-                              pytest.approx(0.004, rel=1e-2))
-    # the prior's pull on a draft's price, against steps that spread over 0-32 row-drafts: a few per cent
-    assert pulled.fit()[2] == pytest.approx(0.004, rel=0.05) and pulled.fit()[2] < 0.004
-
-
-def test_a_draft_the_steps_never_priced_looks_free_so_the_rule_drafts_again():
-    """Rows of a long context cost much whatever their width; steps that never drafted say nothing of a draft's
-    price, and one slope for both would have priced drafts at a whole row's cost (and never drafted again)."""
+def test_step_times_price_each_width_as_measured_and_interpolate_between():
     times = StepTimes()
-    for rows in [1, 4, 8, 2, 6] * 6:
-        times.observe(rows, 1, 0.05 + 0.03 * rows)
-    t0, t_row, t_draft = times.fit()
-    assert t_row == pytest.approx(0.03, rel=1e-2) and t_draft == pytest.approx(0.0, abs=1e-4)
-    assert entropy_width([5, 5], [0.6, 0.6], times) > 1
+    price = {1: 0.10, 2: 0.20, 4: 0.22, 8: 0.24}  # fp32 on a CPU: 2 rows cost two passes, 4-8 one GEMM
+    for _ in range(20):
+        for width, seconds in price.items():
+            times.observe(1, width, seconds)
+    got = times.seconds(1, np.arange(1, 13))
+    assert got[[0, 1, 3, 7]] == pytest.approx([0.10, 0.20, 0.22, 0.24])
+    assert got[2] == pytest.approx(0.21)  # between 2 and 4
+    assert got[11] == pytest.approx(0.24)  # past the widest measured: as the widest (tried before it is priced)
+    assert times.seconds(3, np.arange(1, 4)).tolist() == [0.0, 0.0, 0.0]  # each row count is its own
+    times.observe(1, 2, 0.30)
+    assert times.seconds(1, np.array([2]))[0] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)  # an EMA per cell
+
+
+def test_a_width_not_measured_for_a_while_is_forgotten_and_tried_again():
+    times = StepTimes(horizon=10)
+    times.observe(1, 8, 0.5)  # drafting was dear, early on
+    for _ in range(11):
+        times.observe(1, 1, 0.1)
+    assert times.measured(1)[0].tolist() == [1.0]
+    assert entropy_width([7], [0.5], times) == 8  # a wider step is free again until a step prices it
+
+
+def test_the_entropy_rule_stops_drafting_where_a_draft_costs_a_row_and_drafts_where_it_is_free():
+    """The measured case of docs/speculative.md: the same chat-like acceptance on two machines' prices."""
+    fp32, bf16 = StepTimes(), StepTimes()
+    for width in range(1, 13):
+        fp32.observe(1, width, 0.1 * min(width, 3))  # a matrix-vector pass per row up to 3 rows
+        bf16.observe(1, width, 0.1 * (1 + 0.01 * (width - 1)))
+    chat = sure_and_right(0.1, hits=3, misses=17)  # a sure model, a trie mostly wrong
+    assert entropy_width([5], [chat], fp32) == 1
+    assert entropy_width([5], [chat], bf16) > 1
+    agent = sure_and_right(0.1, hits=45, misses=5)
+    assert entropy_width([11], [agent], fp32) == 12  # past 3 rows the step costs no more: every draft
 
 
 def fitted(t0: float, t_draft: float) -> StepTimes:
-    """Steps of one row at widths 1 and 10, fitted exactly (no prior)."""
-    times = StepTimes(draft_ridge=0.0)
-    for width in (1, 10, 1, 10):
+    """Steps of one row measured at every width 1-10, t0 + t_draft per draft."""
+    times = StepTimes()
+    for width in range(1, 11):
         times.observe(1, width, t0 + t_draft * (width - 1))
     return times
 
@@ -203,13 +217,26 @@ def test_a_sure_model_whose_drafts_keep_missing_stops_drafting():
     costly = fitted(0.1, 0.01)
     assert entropy_width([7], [sure_and_right(0.1, hits=0, misses=20)], costly) == 1
     hits = DraftHits()
-    assert hits.rate == 1.0  # no evidence yet: as sure as the model
+    assert hits.rate() == 1.0  # no evidence yet: as sure as the model
     for _ in range(30):
         hits.observe(drafted=4, accepted=0)  # one trial a step: the run ends at its first draft
-    assert hits.rate < 0.2
+    assert hits.rate() < 0.2
     for _ in range(30):
         hits.observe(drafted=4, accepted=4)  # a copy: every draft tried and right
-    assert hits.rate > 0.9
+    assert hits.rate() > 0.9
+
+
+def test_a_new_request_starts_from_the_server_s_recent_rate_and_its_own_evidence_outweighs_it():
+    sizer = DraftSizer("entropy", 12, fitted(0.1, 0.05))  # a draft costs half a step
+    for _ in range(30):
+        sizer.observe(12, 4, 0.2, [11] * 4, [0, 0, 1, 0])  # chat: the trie's guesses mostly wrong
+    fresh = DraftHits()
+    assert sizer.hits.rate() < 0.25
+    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits)], sizer.times) == 1
+    assert entropy_width([9], [draft_acceptance(0.05, fresh)], sizer.times) > 1  # alone it would draft
+    for _ in range(3):
+        fresh.observe(drafted=4, accepted=4)  # this one copies its context: every draft right
+    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits)], sizer.times) > 1
 
 
 def test_each_rule_caps_at_the_server_maximum_and_the_matches():
@@ -225,7 +252,8 @@ def test_the_acceptance_rule_is_sglang_s_adaptive_formula():
     sizer = DraftSizer("acceptance", 12, StepTimes())
     assert sizer.width([11], [1.0]) == 12  # SGLang starts its EMA at steps - 1: the maximum
     for _ in range(40):
-        sizer.observe(sizer.width([11], [1.0]), 1, 0.1, [1])  # one draft accepted every step
+        width = sizer.width([11], [1.0])
+        sizer.observe(width, 1, 0.1, [width - 1], [1])  # one draft accepted every step
     assert sizer.accepted_ema == pytest.approx(1.0, abs=1e-3)
     assert sizer.width([11], [1.0]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
 

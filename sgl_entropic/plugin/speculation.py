@@ -72,7 +72,7 @@ class Speculation:
                 "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
                 "accepted_per_row_step": per(self.accepted, self.rows),
                 "verified_per_committed_token": per(self.verified, self.committed),
-                "step_time_fit_s": dict(zip(("t0", "per_row", "per_draft"), self.sizer.times.fit())),
+                "step_seconds": self.sizer.times.table(),
                 "totals": {"verify_steps": self.steps, "rows": self.rows, "verified": self.verified,
                            "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed}}
 
@@ -102,7 +102,8 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = offered_drafts(drafts, mask).tolist()
     states = [getattr(r, "entropic", None) for r in batch.reqs]
-    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts) for s in states]
+    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, spec.sizer.hits)
+                  for s in states]
     width = spec.sizer.width(offers, acceptance)
     drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
@@ -346,7 +347,7 @@ class VerifyRecord:
             state.last_step_entropy = sum(measured) / len(measured) if measured else None
             state.drafts.observe(drafted[i], accepted[-1])
         self.tally.report(rt)
-        spec.sizer.observe(step.width, len(accepted), step.seconds, accepted)
+        spec.sizer.observe(step.width, len(accepted), step.seconds, drafted, accepted)
         spec.steps += 1
         spec.rows += len(accepted)
         spec.verified += step.width * len(accepted)
