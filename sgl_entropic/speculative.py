@@ -82,7 +82,7 @@ class StepTimes:
     """This server's verify-step time per (rows, width): an EMA of each cell's measured steps.
 
     Measured, not modelled: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x one row's (a matrix-vector pass per
-    row) and more than 4-8 rows' (a real GEMM), while bf16 ones with AVX-512 are flat up to 8 rows; a line
+    row) and more than 4-8 rows' (a real GEMM), while bf16 ones with AVX-512 stay within 1.3x up to 8 rows; a line
     through the steps priced drafts wrongly on one or the other. Between measured widths the price is
     interpolated; past the widest measured one it is that one's (a wider step is free until a step shows its
     price, so the rule tries it once). A cell not measured in the last `horizon` steps is forgotten: the context
@@ -101,9 +101,13 @@ class StepTimes:
             (1 - self.alpha) * old[0] + self.alpha * seconds
         self.cells[(rows, width)] = (ema, self.steps)
 
+    def _fresh(self):
+        """(rows, width, seconds) of the cells measured within the horizon."""
+        return ((r, w, t) for (r, w), (t, at) in self.cells.items() if self.steps - at <= self.horizon)
+
     def measured(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(widths, seconds) measured at `rows` within the horizon, narrowest first."""
-        fresh = sorted((w, t) for (r, w), (t, at) in self.cells.items() if r == rows and self.steps - at <= self.horizon)
+        fresh = sorted((w, t) for r, w, t in self._fresh() if r == rows)
         return np.array([w for w, _ in fresh], dtype=float), np.array([t for _, t in fresh])
 
     def seconds(self, rows: int, widths: np.ndarray) -> np.ndarray:
@@ -115,7 +119,7 @@ class StepTimes:
 
     def table(self) -> dict[str, float]:
         """`/server_info`: the fresh cells, "rows x width" -> seconds."""
-        return {f"{r}x{w}": t for (r, w), (t, at) in sorted(self.cells.items()) if self.steps - at <= self.horizon}
+        return {f"{r}x{w}": t for r, w, t in sorted(self._fresh())}
 
 
 @dataclass
@@ -144,11 +148,11 @@ class DraftHits:
         return (self.hits + prior) / (self.trials + 1.0)
 
 
-def draft_acceptance(entropy: Optional[float], hits: DraftHits, server: Optional[DraftHits] = None) -> float:
-    """a_r = min(exp(-H_r), q_r) (module docstring), q_r the request's rate with the server's as its prior; a row
-    with no measured entropy yet counts as sure."""
+def draft_acceptance(entropy: Optional[float], hits: DraftHits, prior: float = 1.0) -> float:
+    """a_r = min(exp(-H_r), q_r) (module docstring), q_r the request's rate with `prior` (the server's rate,
+    `DraftSizer.hits.rate()`) as its start; a row with no measured entropy yet counts as sure."""
     sure = 1.0 if entropy is None or not math.isfinite(entropy) else math.exp(-max(entropy, 0.0))
-    return min(sure, hits.rate(server.rate() if server is not None else 1.0))
+    return min(sure, hits.rate(prior))
 
 
 def entropy_width(offers: Sequence[int], acceptance: Sequence[float], times: StepTimes) -> int:

@@ -232,11 +232,11 @@ def test_a_new_request_starts_from_the_server_s_recent_rate_and_its_own_evidence
         sizer.observe(12, 4, 0.2, [11] * 4, [0, 0, 1, 0])  # chat: the trie's guesses mostly wrong
     fresh = DraftHits()
     assert sizer.hits.rate() < 0.25
-    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits)], sizer.times) == 1
+    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits.rate())], sizer.times) == 1
     assert entropy_width([9], [draft_acceptance(0.05, fresh)], sizer.times) > 1  # alone it would draft
     for _ in range(3):
         fresh.observe(drafted=4, accepted=4)  # this one copies its context: every draft right
-    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits)], sizer.times) > 1
+    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits.rate())], sizer.times) > 1
 
 
 def test_each_rule_caps_at_the_server_maximum_and_the_matches():

@@ -102,8 +102,8 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = offered_drafts(drafts, mask).tolist()
     states = [getattr(r, "entropic", None) for r in batch.reqs]
-    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, spec.sizer.hits)
-                  for s in states]
+    prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
+    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
     width = spec.sizer.width(offers, acceptance)
     drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
