@@ -38,7 +38,11 @@ class Server:
 # small prefill chunks so that long prompts exercise chunked prefill; an idle scheduler sleeps
 # instead of spinning a core (two servers are up at once on a 2-core CI machine); a KV pool of 32k
 # tokens (the tests' longest prompts are 7k), half the launcher's default, which takes ~6 s to allocate.
-COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle", "--max-total-tokens", "32768"]
+# The pool's size is fixed, so SGLang's free-memory profile is only a check, and a racy one: servers that load at
+# once see each other's weights as used, and under a cgroup page cache counts as used too (CI, 7 GB "free": three
+# Gemma servers failed it at the default fraction, 0.843). A 0.95 fraction keeps 5 % of the free memory as slack.
+COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle", "--max-total-tokens", "32768",
+               "--mem-fraction-static", "0.95"]
 
 
 def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
