@@ -5,7 +5,7 @@ Torch and numpy (for the host's small per-step arrays); nothing here imports sgl
 
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
-All rows of a verify batch share one width W (SGLang's layout), so a step costs T(rows, W) and commits, per row,
+All rows of a verify batch share one width W (SGLang's layout), so a step costs T(rows x W) and commits, per row,
 its bonus token plus the drafts accepted in a row. A rule picks W per step:
 
 * ``fixed``: the server's maximum, every step (SGLang's own behaviour);
@@ -13,14 +13,14 @@ its bonus token plus the drafts accepted in a row. A rule picks W per step:
 * ``acceptance``: SGLang's adaptive rule (`adaptive_spec_params.AdaptiveStepSlot`) on NGRAM: an EMA of the
   accepted drafts per row and step, W - 1 = round(EMA) + 1 (probe one beyond what was accepted);
 * ``entropy``: the W that maximises the expected committed tokens per second,
-  sum_rows E_r(W) / T(rows, W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j, a_r = min(exp(-H_r), q_r).
+  sum_rows E_r(W) / T(rows x W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j, a_r = min(exp(-H_r), q_r).
   exp(-H_r) is a lower bound on the probability of the model's most likely token (Shannon entropy >=
   min-entropy), H_r the mean entropy of the tokens row r committed in its last step: where the drafts copy
   what the model would say, each is accepted with at least that chance. q_r, the request's own rate of
   accepted drafts (`DraftHits`, starting from the server's recent rate), caps it where they do not (open chat:
   a sure model, a trie guessing wrong).
   Where the model is unsure its drafts are short or none, whatever the trie offers. T is this server's own
-  measured verify-step time at that many rows and that width (`StepTimes`). Nothing in the rule is tuned to a
+  measured verify-step time for a forward over that many tokens (`StepTimes`). Nothing in the rule is tuned to a
   prompt.
 
 Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
@@ -79,47 +79,47 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
 
 @dataclass
 class StepTimes:
-    """This server's verify-step time per (rows, width): an EMA of each cell's measured steps.
+    """This server's verify-step time by the tokens the forward runs (rows x width): an EMA per token count.
 
     Measured, not modelled: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x one row's (a matrix-vector pass per
     row) and more than 4-8 rows' (a real GEMM), while bf16 ones with AVX-512 stay within 1.3x up to 8 rows; a line
-    through the steps priced drafts wrongly on one or the other. Between measured widths the price is
-    interpolated; past the widest measured one it is that one's (a wider step is free until a step shows its
-    price, so the rule tries it once). A cell not measured in the last `horizon` steps is forgotten: the context
-    grows, and a width priced long ago is tried again.
+    through the steps priced drafts wrongly on one or the other. Keyed by tokens, the GEMMs' M, so that every row
+    count shares what any measured (4 rows at width 2 and 8 rows at width 1 run the same GEMMs; per-row attention
+    differs little next to them): under load the batch's row count keeps changing, and a price per (rows, width)
+    left most row counts unmeasured, hence free. Between measured counts the price is interpolated; past the
+    largest it is that one's (a wider step is free until a step shows its price, so the rule tries it once). A count
+    not measured in the last `horizon` steps is forgotten: the context grows, and a count priced long ago is tried
+    again.
     """
 
     alpha: float = 0.3
     horizon: int = 256
-    cells: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)  # -> (seconds, step measured)
+    cells: dict[int, tuple[float, int]] = field(default_factory=dict)  # tokens -> (seconds, step measured)
     steps: int = 0
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         self.steps += 1
-        old = self.cells.get((rows, width))
+        tokens = rows * width
+        old = self.cells.get(tokens)
         ema = seconds if old is None or self.steps - old[1] > self.horizon else \
             (1 - self.alpha) * old[0] + self.alpha * seconds
-        self.cells[(rows, width)] = (ema, self.steps)
+        self.cells[tokens] = (ema, self.steps)
 
-    def _fresh(self):
-        """(rows, width, seconds) of the cells measured within the horizon."""
-        return ((r, w, t) for (r, w), (t, at) in self.cells.items() if self.steps - at <= self.horizon)
-
-    def measured(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """(widths, seconds) measured at `rows` within the horizon, narrowest first."""
-        fresh = sorted((w, t) for r, w, t in self._fresh() if r == rows)
-        return np.array([w for w, _ in fresh], dtype=float), np.array([t for _, t in fresh])
+    def measured(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, seconds) measured within the horizon, fewest first."""
+        fresh = sorted((n, t) for n, (t, at) in self.cells.items() if self.steps - at <= self.horizon)
+        return np.array([n for n, _ in fresh], dtype=float), np.array([t for _, t in fresh])
 
     def seconds(self, rows: int, widths: np.ndarray) -> np.ndarray:
-        """A step's price at each width; zeros where nothing at `rows` is measured yet."""
-        xs, ys = self.measured(rows)
+        """A step's price at each width for `rows` rows; zeros while nothing is measured."""
+        xs, ys = self.measured()
         if len(xs) == 0:
             return np.zeros(len(widths))
-        return np.interp(widths, xs, ys)
+        return np.interp(rows * np.asarray(widths, dtype=float), xs, ys)
 
     def table(self) -> dict[str, float]:
-        """`/server_info`: the fresh cells, "rows x width" -> seconds."""
-        return {f"{r}x{w}": t for r, w, t in sorted(self._fresh())}
+        """`/server_info`: the fresh prices, tokens per verify forward -> seconds."""
+        return {str(int(n)): float(t) for n, t in zip(*self.measured())}
 
 
 @dataclass
@@ -156,7 +156,7 @@ def draft_acceptance(entropy: Optional[float], hits: DraftHits, prior: float = 1
 
 
 def entropy_width(offers: Sequence[int], acceptance: Sequence[float], times: StepTimes) -> int:
-    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows, W) (ties: the narrower), with
+    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows x W) (ties: the narrower), with
     E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`)."""
     rows = len(offers)
     acceptance = np.asarray(acceptance, dtype=float)

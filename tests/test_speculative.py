@@ -155,9 +155,24 @@ def test_step_times_price_each_width_as_measured_and_interpolate_between():
     assert got[[0, 1, 3, 7]] == pytest.approx([0.10, 0.20, 0.22, 0.24])
     assert got[2] == pytest.approx(0.21)  # between 2 and 4
     assert got[11] == pytest.approx(0.24)  # past the widest measured: as the widest (tried before it is priced)
-    assert times.seconds(3, np.arange(1, 4)).tolist() == [0.0, 0.0, 0.0]  # each row count is its own
-    times.observe(1, 2, 0.30)
-    assert times.seconds(1, np.array([2]))[0] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)  # an EMA per cell
+    # priced by the tokens a forward runs: 4 rows at width 2 run 8 tokens, as one row at width 8 did
+    assert times.seconds(4, np.array([1, 2])) == pytest.approx([0.22, 0.24])
+    assert times.seconds(3, np.array([1])) == pytest.approx([0.21])
+    times.observe(2, 1, 0.30)  # 2 tokens, whatever the rows
+    assert times.seconds(1, np.array([2]))[0] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)  # an EMA per token count
+    assert times.table()["2"] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)
+
+
+def test_a_row_count_never_seen_is_priced_by_the_others_not_free():
+    """Under load the rows change every few steps: a batch of 8 rows must not find width 4 free because only
+    6 and 7 rows were measured."""
+    times = StepTimes()
+    for rows in (6, 7):
+        for width in (1, 2, 3, 4):
+            times.observe(rows, width, 0.05 + 0.004 * rows * width)  # each verified token costs 4 ms
+    chat = sure_and_right(0.1, hits=3, misses=17)
+    assert entropy_width([3] * 8, [chat] * 8, times) == 1
+    assert times.seconds(8, np.array([3]))[0] == pytest.approx(0.05 + 0.004 * 24)
 
 
 def test_a_width_not_measured_for_a_while_is_forgotten_and_tried_again():
@@ -165,7 +180,7 @@ def test_a_width_not_measured_for_a_while_is_forgotten_and_tried_again():
     times.observe(1, 8, 0.5)  # drafting was dear, early on
     for _ in range(11):
         times.observe(1, 1, 0.1)
-    assert times.measured(1)[0].tolist() == [1.0]
+    assert times.measured()[0].tolist() == [1.0]
     assert entropy_width([7], [0.5], times) == 8  # a wider step is free again until a step prices it
 
 
