@@ -49,7 +49,7 @@ DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 WORKLOADS = ("agent", "doc", "chat", "long")
 SIZES = {  # requests (agent: conversations of 3 turns) at concurrency 1 and 8
-    "agent": {1: 2, 8: 8}, "doc": {1: 2, 8: 6}, "chat": {1: 3, 8: 8}, "long": {1: 2, 8: 8}}
+    "agent": {1: 2, 8: 8}, "doc": {1: 4, 8: 6}, "chat": {1: 6, 8: 8}, "long": {1: 2, 8: 8}}
 OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
@@ -174,8 +174,8 @@ def spec_during(before: dict, after: dict) -> dict:
     """Verify steps between two /server_info reads (they accumulate): widths, drafts, accepted, committed."""
     if not after:
         return {}
-    keys = ("verify_steps", "rows", "verified", "drafted", "accepted", "committed")
-    diff = {k: after["totals"][k] - (before or {}).get("totals", {}).get(k, 0) for k in keys}
+    keys = ("verify_steps", "rows", "verified", "drafted", "accepted", "committed", "shadow_tried", "shadow_right")
+    diff = {k: after["totals"].get(k, 0) - (before or {}).get("totals", {}).get(k, 0) for k in keys}
     r = diff["rows"] or 1
     return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
             "accepted_per_verify": diff["accepted"] / r, "committed_per_verify": diff["committed"] / r,

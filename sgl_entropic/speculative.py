@@ -18,7 +18,8 @@ its bonus token plus the drafts accepted in a row. A rule picks W per step:
   min-entropy), H_r the mean entropy of the tokens row r committed in its last step: where the drafts copy
   what the model would say, each is accepted with at least that chance. q_r, the request's own rate of
   accepted drafts (`DraftHits`, starting from the server's recent rate), caps it where they do not (open chat:
-  a sure model, a trie guessing wrong).
+  a sure model, a trie guessing wrong). A row that verifies no drafts still checks its trie's first draft
+  against the token it committed (`draft_trials`), so its rate keeps following the text.
   Where the model is unsure its drafts are short or none, whatever the trie offers. T is this server's own
   measured verify-step time for a forward over that many tokens (`StepTimes`). Nothing in the rule is tuned to a
   prompt.
@@ -148,6 +149,19 @@ class DraftHits:
         return (self.hits + prior) / (self.trials + 1.0)
 
 
+def draft_trials(drafted: Sequence[int], accepted: Sequence[int], offers: Sequence[int],
+                 first_draft: Sequence[int], root_sample: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Each row's (tried, right) for its draft record: the drafts it verified, or, for a row whose trie offered
+    drafts but that verified none, its first draft checked against the token the root sampled. Verification
+    accepts a draft iff it is the node's sample, so that shadow trial is exactly what a one-draft step would
+    have learned, at no cost: a request that stopped drafting sees when its trie starts guessing right."""
+    tried, right = list(drafted), list(accepted)
+    for i, (d, k) in enumerate(zip(drafted, offers)):
+        if d == 0 and k > 0:
+            tried[i], right[i] = 1, int(first_draft[i] == root_sample[i])
+    return tried, right
+
+
 def draft_acceptance(entropy: Optional[float], hits: DraftHits, prior: float = 1.0) -> float:
     """a_r = min(exp(-H_r), q_r) (module docstring), q_r the request's rate with `prior` (the server's rate,
     `DraftSizer.hits.rate()`) as its start; a row with no measured entropy yet counts as sure."""
@@ -192,10 +206,12 @@ class DraftSizer:
             return min(most, self.max_width, 2 + round(max(ema, 0.0)))
         return min(entropy_width(offers, acceptance, self.times), self.max_width)
 
-    def observe(self, width: int, rows: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int]) -> None:
-        """A verify step's outcome: its time and the drafts each row tried and accepted."""
+    def observe(self, width: int, rows: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
+                trials: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> None:
+        """A verify step's outcome: its time, the drafts each row verified and accepted, and the draft record's
+        trials (`draft_trials`; default: the verified drafts)."""
         self.times.observe(rows, width, seconds)
-        self.hits.observe_step(drafted, accepted)
+        self.hits.observe_step(*(trials or (drafted, accepted)))
         if accepted and width > 1:
             mean = sum(accepted) / len(accepted)
             a = ACCEPTANCE_EMA_ALPHA

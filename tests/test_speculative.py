@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (DraftHits, DraftSizer, StepTimes, draft_acceptance, entropy_width,
+from sgl_entropic.speculative import (DraftHits, DraftSizer, StepTimes, draft_acceptance, draft_trials, entropy_width,
                                       offered_drafts, tree_depths, tree_parents, tree_temperatures)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
@@ -252,6 +252,39 @@ def test_a_new_request_starts_from_the_server_s_recent_rate_and_its_own_evidence
     for _ in range(3):
         fresh.observe(drafted=4, accepted=4)  # this one copies its context: every draft right
     assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits.rate())], sizer.times) > 1
+
+
+def test_a_row_that_verified_no_drafts_checks_its_first_draft_against_the_token_it_committed():
+    drafted, accepted = [3, 0, 0, 0], [2, 0, 0, 0]
+    offers, first, root = [5, 4, 2, 0], [11, 12, 13, 14], [11, 12, 99, 14]
+    # row 0 verified drafts (its own trials stand); 1 and 2 shadow-tried their first draft (12 right, 13 wrong);
+    # row 3's trie offered nothing: no trial, even though its padding token equals its sample
+    assert draft_trials(drafted, accepted, offers, first, root) == ([3, 1, 1, 0], [2, 1, 0, 0])
+
+
+def test_a_request_that_stopped_drafting_drafts_again_once_its_trie_guesses_right():
+    """The document answer that starts to quote: its first drafts missed, so the rule verified none; the shadow
+    trials (draft_trials) see the trie's first drafts come right, and the rule drafts again. With only the
+    verified drafts as evidence (the record before shadow trials) it would never draft again."""
+    shadowed, blind = (DraftSizer("entropy", 12, fitted(0.1, 0.05)) for _ in range(2))
+    records = {id(shadowed): DraftHits(), id(blind): DraftHits()}
+
+    def width(sizer):
+        return sizer.width([4], [draft_acceptance(0.05, records[id(sizer)], sizer.hits.rate())])
+
+    for sizer in (shadowed, blind):
+        for _ in range(10):
+            records[id(sizer)].observe(drafted=4, accepted=0)
+            sizer.observe(5, 1, 0.3, [4], [0])
+        assert width(sizer) == 1
+    for _ in range(8):  # steps that verify no drafts; the root's token is the trie's first draft
+        tried, right = draft_trials([0], [0], [4], [7], [7])
+        records[id(shadowed)].observe(tried[0], right[0])
+        shadowed.observe(1, 1, 0.1, [0], [0], (tried, right))
+        records[id(blind)].observe(drafted=0, accepted=0)
+        blind.observe(1, 1, 0.1, [0], [0])
+    assert width(shadowed) > 1
+    assert width(blind) == 1
 
 
 def test_each_rule_caps_at_the_server_maximum_and_the_matches():

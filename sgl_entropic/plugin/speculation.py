@@ -31,8 +31,8 @@ from sgl_entropic.plugin.sampling_step import _STEPS, _T, NO_DRAFT, BatchRows, C
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
 from sgl_entropic.transfer import to_device
-from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, offered_drafts, tree_parents,
-                                      tree_temperatures)
+from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, draft_trials, offered_drafts,
+                                      tree_parents, tree_temperatures)
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -44,6 +44,7 @@ class VerifyStep:
     width: int  # nodes per row, the root included
     offers: list[int]  # drafts each row's trie match offered
     parent: torch.Tensor  # [bs, W] each node's parent (-1: the root), on the model's device
+    first_draft: np.ndarray  # [bs] each row's first offered draft, verified or not (draft_trials)
     seconds: float = 0.0  # the whole step, draft preparation to verification
 
     @property
@@ -64,6 +65,8 @@ class Speculation:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    shadow_tried: int = 0  # rows that verified no drafts but whose trie offered one (draft_trials)
+    shadow_right: int = 0
 
     def summary(self) -> dict:
         """`/server_info` -> internal_states[i].entropic.speculative."""
@@ -74,7 +77,8 @@ class Speculation:
                 "verified_per_committed_token": per(self.verified, self.committed),
                 "step_seconds": self.sizer.times.table(),
                 "totals": {"verify_steps": self.steps, "rows": self.rows, "verified": self.verified,
-                           "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed}}
+                           "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed,
+                           "shadow_tried": self.shadow_tried, "shadow_right": self.shadow_right}}
 
 
 def speculation(rt: Runtime, worker) -> Speculation:
@@ -105,11 +109,12 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
     width = spec.sizer.width(offers, acceptance)
+    drafts_host = drafts
     drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
     parents = torch.from_numpy(tree_parents(mask.numpy()))
     spec.step = VerifyStep(width, offers, parents if torch.device(device).type == "cpu"
-                           else parents.pin_memory().to(device, non_blocking=True))
+                           else parents.pin_memory().to(device, non_blocking=True), drafts_host[:, min(1, full - 1)])
 
     def build():  # SGLang's own steps, at `width`
         tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
@@ -285,10 +290,10 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
         temps = node_t.view(-1).index_select(0, keep)
         inv_t = torch.where(torch.from_numpy(row_greedy), 1.0, 1.0 / temps)  # greedy: measured at T = 1
         measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t, rt.scratch)
-        host = np.zeros((5, bs, width), dtype=np.float32)
+        host = np.zeros((6, bs, width), dtype=np.float32)
         host[:, committed] = np.stack([measured.entropy.numpy(), measured.surprisal.numpy(),
                                        measured.valid.numpy(), np.where(row_greedy, 0.0, temps.numpy()),
-                                       np.ones(len(keep))])
+                                       np.ones(len(keep)), target.index_select(0, keep).numpy()])
         return VerifyRecord(rows, host, None, batch.seq_lens_cpu.tolist(), step)
     committed = accept_index >= 0
     nodes = accept_index.long().clamp_min(0).view(-1)  # flat node index per committed position (0 beyond)
@@ -296,14 +301,15 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
     measured = token_stats(logits, target, inv_t)
     used_t = torch.where(greedy[:, None], 0.0, node_t).view(-1)
     values = torch.stack([x.float().gather(0, nodes) for x in (measured.entropy, measured.surprisal, measured.valid,
-                                                                used_t)] + [committed.float().view(-1)])
+                                                                used_t)] + [committed.float().view(-1),
+                                                                            target.float().gather(0, nodes)])
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
     host.copy_(values, non_blocking=True)
     ready = None
     if values.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    return VerifyRecord(rows, host.view(5, bs, width), ready, batch.seq_lens_cpu.tolist(), step)
+    return VerifyRecord(rows, host.view(6, bs, width), ready, batch.seq_lens_cpu.tolist(), step)
 
 
 @dataclass
@@ -311,7 +317,8 @@ class VerifyRecord:
     """A verify step's values on their way to the host; `finish` is `PendingRecord.finish` for k tokens a row."""
 
     rows: BatchRows
-    host: object  # [5, bs, W] (numpy on CPU): entropy, surprisal, valid, temperature used, committed
+    host: object  # [6, bs, W] (numpy on CPU): entropy, surprisal, valid, temperature used, committed, token
+    # (token ids < 2^24 are exact in float32)
     ready: Optional[object]
     seq_lens: list[int]
     step: VerifyStep
@@ -320,13 +327,14 @@ class VerifyRecord:
     def finish(self, rt: Runtime) -> None:
         if self.ready is not None:
             self.ready.synchronize()
-        entropy, surprisal, valid, used_t, committed = self.host.tolist()
+        entropy, surprisal, valid, used_t, committed, token = self.host.tolist()
         step, spec, drafted = self.step, rt.speculation, self.step.drafted
-        accepted = []
+        accepted = [int(sum(c)) - 1 for c in committed]
+        tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(),
+                                    [int(t[0]) for t in token])
         for i, state in enumerate(self.rows.states):
             req = self.rows.reqs[i]
-            n = int(sum(committed[i]))
-            accepted.append(n - 1)
+            n = accepted[i] + 1
             if state is None:
                 continue
             # tokens past max_new_tokens are cut by SGLang; they are not the request's
@@ -338,22 +346,25 @@ class VerifyRecord:
                 ok = valid[i][j] > 0
                 record_token(rt, req, state, self.tally, entropy[i][j], surprisal[i][j], ok, used_t[i][j],
                              work if j == 0 else 0.0,
-                             **({"drafted": drafted[i], "accepted": accepted[-1]} if j == 0 else NO_DRAFT))
+                             **({"drafted": drafted[i], "accepted": accepted[i]} if j == 0 else NO_DRAFT))
                 if ok:
                     measured.append(entropy[i][j])
             if state.controller is not None:
                 state.controller.temperature = used_t[i][n - 1]
                 state.controller.steps_done += n
             state.last_step_entropy = sum(measured) / len(measured) if measured else None
-            state.drafts.observe(drafted[i], accepted[-1])
+            state.drafts.observe(tried[i], right[i])
         self.tally.report(rt)
-        spec.sizer.observe(step.width, len(accepted), step.seconds, drafted, accepted)
+        spec.sizer.observe(step.width, len(accepted), step.seconds, drafted, accepted, (tried, right))
         spec.steps += 1
         spec.rows += len(accepted)
         spec.verified += step.width * len(accepted)
         spec.drafted += sum(drafted)
         spec.accepted += sum(accepted)
         spec.committed += sum(a + 1 for a in accepted)
+        shadow = [i for i, d in enumerate(drafted) if d == 0 and tried[i]]
+        spec.shadow_tried += len(shadow)
+        spec.shadow_right += sum(right[i] for i in shadow)
         if rt.metrics is not None:
             rt.metrics.observe_verify(drafted, accepted, step.width)
 
