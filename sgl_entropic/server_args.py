@@ -124,7 +124,8 @@ def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: st
     if pp > 1:
         raise ValueError(f"{spell('pp_size', pp)} with {asked}: not served (the plugin's verification runs on the "
                          "last pipeline stage's logits only)")
-    if tp > 1 and config.speculative.draft == "entropy":
+    draft = config.speculative.draft or ("acceptance" if tp > 1 else "entropy")
+    if tp > 1 and draft == "entropy":
         raise ValueError(f"speculative.draft 'entropy' with {spell('tp_size', tp)}: its step-time fit is measured "
                          "on each rank and the ranks must agree on every step's width; use 'acceptance', 'matched' "
                          "or 'fixed'")
@@ -144,7 +145,7 @@ def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: st
         elif backend not in CPU_VERIFY_BACKENDS:
             raise ValueError(f"{spell('attention_backend', backend)} with {asked}: it has no verify forward on CPU; "
                              f"drop it (the launcher picks {ATTENTION_BACKEND!r}, which has one)")
-    spec = config.speculative.model_copy(update={"algorithm": "NGRAM"})
+    spec = config.speculative.model_copy(update={"algorithm": "NGRAM", "draft": draft})
     return config.model_copy(update={"speculative": spec}), updates
 
 

@@ -115,6 +115,14 @@ def test_the_engine_spells_speculative_refusals_as_its_own_parameters():
         speculative_args(config, {"speculative_algorithm": "NGRAM", "speculative_adaptive": True}, "cpu", spell_kwarg)
     spec, updates = speculative_args(config, {"speculative_algorithm": "ngram"}, "cpu", spell_kwarg)
     assert spec.speculative_on and spec.speculative.algorithm == "NGRAM"
+    # the default rule: entropy, or acceptance where ranks would time their steps apart; one asked for stands
+    assert config.speculative.draft is None and spec.speculative.draft == "entropy"
+    tp2 = {"speculative_algorithm": "NGRAM", "tp_size": 2}
+    assert speculative_args(config, tp2, "cpu", spell_kwarg)[0].speculative.draft == "acceptance"
+    with pytest.raises(ValueError, match="tp_size=2"):
+        speculative_args(EntropicConfig.model_validate({"speculative": {"draft": "entropy"}}), tp2, "cpu", spell_kwarg)
+    fixed = EntropicConfig.model_validate({"speculative": {"draft": "fixed"}})
+    assert speculative_args(fixed, tp2, "cpu", spell_kwarg)[0].speculative.draft == "fixed"
     assert updates == {"speculative_ngram_max_bfs_breadth": 1, "attention_backend": "entropic"}
     # without pruning the KV pool keeps SGLang's pages: trees stay allowed; on CUDA SGLang's backend verifies
     sampling = EntropicConfig(mode="sampling")
