@@ -100,6 +100,17 @@ def spec_server(tmp_path_factory) -> Server:
 
 
 @pytest.fixture(scope="session")
+def entropy_spec_server(tmp_path_factory) -> Server:
+    """The spec server under the entropy rule (the default), which verifies no drafts on steps where it expects
+    them to miss."""
+    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "entropy"}})) + [
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
+    yield srv
+    stop_server(srv.proc)
+
+
+@pytest.fixture(scope="session")
 def stock_server(tmp_path_factory, model_path) -> Server:
     """Plain `sglang.launch_server` in the same venv: without our config the plugin registers nothing."""
     log = tmp_path_factory.mktemp("stock") / "server.log"

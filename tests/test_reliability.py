@@ -627,11 +627,12 @@ PLUGIN_FAULT_LINES = ("sgl-entropic: sampling step setup failed", "sgl-entropic:
 
 @pytest.mark.slow
 @pytest.mark.server
-@pytest.mark.parametrize("which", ["server", "spec_server"])
+@pytest.mark.parametrize("which", ["server", "spec_server", "entropy_spec_server"])
 def test_load_with_client_aborts_completes_everything_else_and_frees_everything(which, request):
-    """The mix below, in flight at once on the shared server and on its twin with NGRAM speculative decoding."""
+    """The mix below, in flight at once on the shared server and on its twins with NGRAM speculative decoding
+    (every offered draft verified; the entropy rule's widths)."""
     pytest.importorskip("aiohttp")
-    server, speculative = request.getfixturevalue(which), which == "spec_server"
+    server, speculative = request.getfixturevalue(which), which != "server"
     report = {"sent": 0, "completed": 0, "aborted": 0, "lost": 0, "crashes": 0, "rounds": []}
     baseline = states_after_flush(server)
     log_offset = server.log.stat().st_size if server.log else 0

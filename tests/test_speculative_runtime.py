@@ -5,7 +5,6 @@ with its distribution, every committed token traced, what cannot stay exact refu
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from collections import Counter
 
@@ -13,7 +12,6 @@ import pytest
 import requests
 from scipy.stats import chi2_contingency
 
-from tests.conftest import PRUNING, shared_server_cmd, start_server, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -49,16 +47,6 @@ def test_greedy_output_is_token_identical_with_and_without_speculation(server, s
     assert spec["output_ids"] == plain["output_ids"]
     if i < 2:  # the copying prompts: drafts were accepted, so the identity is not that of plain decoding
         assert spec["meta_info"]["spec_num_correct_drafts"] > 0
-
-
-@pytest.fixture(scope="module")
-def entropy_spec_server(tmp_path_factory):
-    """The spec server under the entropy rule, which verifies no drafts on steps where it expects them to miss."""
-    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "entropy"}})) + [
-        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
-    srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
-    yield srv
-    stop_server(srv.proc)
 
 
 def test_the_entropy_rule_is_token_identical_and_learns_from_the_steps_it_verified_no_drafts(server,
