@@ -99,10 +99,10 @@ def spec_server(tmp_path_factory) -> Server:
     stop_server(srv.proc)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def entropy_spec_server(tmp_path_factory) -> Server:
     """The spec server under the entropy rule (the default), which verifies no drafts on steps where it expects
-    them to miss."""
+    them to miss. Per module: two modules use it, and the tier's memory should not hold it in between."""
     cmd = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "entropy"}})) + [
         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
     srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
