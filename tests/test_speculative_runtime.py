@@ -12,7 +12,6 @@ import pytest
 import requests
 from scipy.stats import chi2_contingency
 
-
 pytestmark = pytest.mark.server
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

@@ -109,12 +109,12 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
     width = spec.sizer.width(offers, acceptance)
-    drafts_host = drafts
+    first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
     drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
     parents = torch.from_numpy(tree_parents(mask.numpy()))
     spec.step = VerifyStep(width, offers, parents if torch.device(device).type == "cpu"
-                           else parents.pin_memory().to(device, non_blocking=True), drafts_host[:, min(1, full - 1)])
+                           else parents.pin_memory().to(device, non_blocking=True), first_draft)
 
     def build():  # SGLang's own steps, at `width`
         tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
