@@ -30,12 +30,17 @@ def gemma_servers(tmp_path_factory):
     from sgl_entropic.model import prepare_model
 
     model = str(prepare_model("gemma3-270m"))
-    ours = [sys.executable, "-m", "sgl_entropic.launch_server", "--model-path", model, "--entropic", "full",
-            "--entropic-config", json.dumps({"pruning": PRUNING}), *ARGS]
+    def entropic(config: dict) -> list[str]:
+        return [sys.executable, "-m", "sgl_entropic.launch_server", "--model-path", model, "--entropic", "full",
+                "--entropic-config", json.dumps({"pruning": PRUNING, **config}), *ARGS]
+
+    ours = entropic({})
     stock = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", *ARGS]
     stock_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
-    spec = [*ours, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    # `matched` verifies every draft the trie offers: the identity test must not hang on the entropy rule's timing
+    spec = [*entropic({"speculative": {"draft": "matched"}}),
+            "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
     logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma", "gemma-stock", "gemma-spec")]
     with ThreadPoolExecutor(3) as pool:  # all load at once
         started = [pool.submit(start_server, ours, logs[0]), pool.submit(start_server, stock, logs[1], stock_env),
