@@ -161,3 +161,36 @@ def test_a_batch_result_finishes_its_own_step_and_leaves_the_next_one_pending():
     assert all(len(r.customized_info["entropy"]) == 1 for r in reqs)
     finish_pending(s.rt, 8)
     assert not s.rt.pending and all(len(r.customized_info["entropy"]) == 2 for r in reqs)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_copies_them(greedy):
+    """An all-greedy batch is measured on the logits themselves (no copy); any other batch on a copy taken
+    before the sampler, which overwrites its logits in place. Either way the trace is that of the given logits."""
+    rt = runtime.install(EntropicConfig())
+    s = Stepper()
+    rt.dims, rt.controllers = s.rt.dims, s.table
+    reqs = [s.req(), s.req()]
+    for r in reqs:
+        r.output_ids = []
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)) * 3
+    given = logits.clone()
+    info = SimpleNamespace(temperatures=torch.ones(2, 1), top_ks=torch.tensor([1, 1] if greedy else [64, 64]),
+                           is_all_greedy=greedy, has_custom_logit_processor=False)
+    assert sampling_step.keeps_logits(info, 1.0 / info.temperatures.view(-1)) == greedy
+
+    def sampler(_sampler, out, _info, *args, **kwargs):
+        tokens = out.next_token_logits.argmax(dim=-1)
+        if not greedy:  # as SGLang's sampler does outside the all-greedy path
+            torch.softmax(out.next_token_logits, dim=-1, out=out.next_token_logits)
+        return tokens
+
+    rt.rows = sampling_step.BatchRows.of(reqs, [True, True])
+    rt.forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
+                                       seq_lens_cpu=torch.tensor([10, 10]))
+    tokens = sampling_step.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
+    sampling_step.finish_pending(rt)
+    dist = torch.distributions.Categorical(logits=given.double())
+    for i, r in enumerate(reqs):
+        assert r.customized_info["entropy"][0] == pytest.approx(float(dist.entropy()[i]), abs=1e-4)
+        assert r.customized_info["surprisal"][0] == pytest.approx(-float(dist.log_prob(tokens)[i]), abs=1e-4)

@@ -295,7 +295,10 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
     try:
         step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers, rt.scratch)
-        snapshot = rt.scratch.snapshot(logits, step.inv_request_t)  # the sampler changes logits in place
+        # The sampler turns logits into probabilities in place, except in an all-greedy batch without custom
+        # processors (argmax; at most its NaN guard rewrites non-finite entries): there, no copy is needed.
+        snapshot = logits if keeps_logits(sampling_info, step.inv_request_t) else rt.scratch.snapshot(
+            logits, step.inv_request_t)
     except Exception:
         logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
@@ -308,6 +311,13 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
     except Exception:
         logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
     return token_ids
+
+
+def keeps_logits(sampling_info, inv_request_t: torch.Tensor) -> bool:
+    """Whether the sampler leaves this batch's logits as they are and every row is measured at T = 1 (a CPU
+    batch only: the check reads the temperatures, a device sync on a GPU, where the copy is cheap anyway)."""
+    return (inv_request_t.is_cpu and sampling_info.is_all_greedy and not sampling_info.has_custom_logit_processor
+            and bool((inv_request_t == 1).all()))
 
 
 def before_process_batch_result(scheduler, batch, *args, **kwargs):
