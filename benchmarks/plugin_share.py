@@ -1,7 +1,8 @@
 """The plugin's own time per decode step, as the server measures it, on each shipped model.
 
 One server of ours per model (`--entropic full`, the default mode), and per batch size B, `--repeats`
-batches of B concurrent greedy requests (short distinct prompts, `--tokens` new tokens each, ignore_eos).
+batches of B concurrent requests, greedy or sampled at `--temperature` (short distinct prompts, `--tokens`
+new tokens each, ignore_eos).
 Between the first and the last batch the server's own account (`/server_info` -> plugin_time,
 plugin/timing.py: the hook handlers' time against the decode step's wall time) gives the plugin's time
 per decode step, the step's time and their ratio (the target: <= 2 %), with every hook's share.
@@ -36,7 +37,8 @@ def measure(key: str, args) -> list[dict]:
     with common.start_server(f"plugin-share-{key}", cmd, port, common.server_env("cpu", stock=False)) as srv:
         for b in args.batch_sizes:
             payloads = [{"text": f"Tell me about {TOPICS[i % len(TOPICS)]} number {i}.",
-                         "sampling_params": {"max_new_tokens": args.tokens, "temperature": 0.0, "ignore_eos": True}}
+                         "sampling_params": {"max_new_tokens": args.tokens, "temperature": args.temperature,
+                                             "ignore_eos": True}}
                         for i in range(b)]
             common.require_ok(common.run_batch(srv.url, payloads, b), f"{key} warm-up")
             before = plugin_time(srv.info())
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the sampler keeps the logits)")
     ap.add_argument("--entropic-config", default=None, help="JSON for the servers")
     args = ap.parse_args()
     rows = [r for key in args.models.split(",") for r in measure(key, args)]
