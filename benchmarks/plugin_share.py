@@ -8,6 +8,7 @@ plugin/timing.py: the hook handlers' time against the decode step's wall time) g
 per decode step, the step's time and their ratio (the target: <= 2 %), with every hook's share.
 
     flock /tmp/sgl-heavy.lock .venv/bin/python benchmarks/plugin_share.py      # docs/data/plugin_share.json
+    ... --dtype bfloat16 [--temperature 0.8] --publish plugin_share_bf16[_sampled]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the sampler keeps the logits)")
     ap.add_argument("--entropic-config", default=None, help="JSON for the servers")
+    ap.add_argument("--publish", default="plugin_share", help="docs/data/<name>.json")
     args = ap.parse_args()
     rows = [r for key in args.models.split(",") for r in measure(key, args)]
     print("\n| model | batch | decode steps | plugin ms/step | step ms | share | top hooks (ms/step) |\n"
@@ -70,7 +72,7 @@ def main() -> None:
               f"{r['mean_step_us'] / 1e3:.1f} | {r['mean_share']:.2%} | "
               + ", ".join(f"{name} {us / 1e3:.2f}" for us, name in top) + " |")
     path = common.write_json("plugin_share", {"args": {**vars(args)}, "environment": common.environment(),
-                                              "rows": rows}, publish="plugin_share")
+                                              "rows": rows}, publish=args.publish)
     print(f"\nJSON: {path}")
 
 
