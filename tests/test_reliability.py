@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -625,6 +626,20 @@ PLUGIN_FAULT_LINES = ("sgl-entropic: sampling step setup failed", "sgl-entropic:
                       "sgl-entropic: decode budget failed", "Scheduler hit an exception", "Traceback")
 
 
+def test_a_finished_request_an_emptied_running_batch_still_names_is_the_schedulers_not_a_leak():
+    """SGLang's running batch keeps the last chunked request merged into it after it empties (seen after client
+    aborts under NGRAM): /server_info must count that state as held by the scheduler, and a state no scheduler
+    structure names as leaked."""
+    from sgl_entropic.plugin.server_info import _requests_held_by
+
+    stale, waiting, gone = (SimpleNamespace(rid=rid) for rid in ("stale", "waiting", "gone"))
+    scheduler = SimpleNamespace(waiting_queue=[waiting], chunked_req=None, last_batch=None, cur_batch_for_debug=None,
+                                running_batch=SimpleNamespace(reqs=[], chunked_req=stale), batch_record_buf=[None, None])
+    held = _requests_held_by(scheduler)
+    assert any(r is stale for r in held) and any(r is waiting for r in held)
+    assert not any(r is gone for r in held)
+
+
 @pytest.mark.slow
 @pytest.mark.server
 @pytest.mark.parametrize("which", ["server", "spec_server", "entropy_spec_server"])
@@ -674,10 +689,10 @@ def test_load_with_client_aborts_completes_everything_else_and_frees_everything(
     assert report.get("plugin_faults", 0) == 0, report
     for rnd in report["rounds"]:
         assert all(nothing_held(s) for s in rnd["held_after"]), rnd
-        # the two pinned flush requests at most, no state the scheduler does not reference, no growth
+        # no state the scheduler does not reference, and two at most: the flush requests the overlap loop pins,
+        # or a finished request an emptied running batch still names as its last chunked one
         flushed = rnd["after_flush"]
         assert flushed["live_request_states"] <= 2 and flushed["leaked_request_states"] == 0, rnd
-        assert flushed["live_request_states"] <= baseline["live_request_states"], (baseline, rnd)
     # and the server still does ordinary work
     out = server.generate({"text": CHAT.format("Say hi."), "sampling_params": {"max_new_tokens": 6, "ignore_eos": True,
                            "custom_params": {"entropic": {}}}})

@@ -118,5 +118,7 @@ def _requests_held_by(scheduler) -> list:
             batches.append(entry[0])
             reqs += [r for field in entry[1] if isinstance(field, list) for r in field if hasattr(r, "rid")]
     for batch in batches:
-        reqs += batch.reqs if batch is not None else []
+        if batch is not None:
+            # a batch keeps the last chunked request merged into it (an emptied running batch too) until the next
+            reqs += batch.reqs + [r for r in (getattr(batch, "chunked_req", None),) if r is not None]
     return reqs
