@@ -103,7 +103,7 @@ async def send(session, url: str, spec: dict) -> tuple[str, str]:
             events, last, done = 0, None, False
             async for raw in resp.content:
                 line = raw.decode().strip()
-                if not line:
+                if not line or line.startswith(":"):  # an SSE comment: the router's keep-alive `: ping`
                     continue
                 if not line.startswith("data: "):
                     return "lost", f"not an SSE data line: {line[:200]}"

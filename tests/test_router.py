@@ -266,8 +266,10 @@ async def _send_completion(session, url: str, spec: dict) -> tuple[str, str]:
             chunks, ext, done = 0, None, False
             async for raw in resp.content:
                 line = raw.decode().strip()
-                if not line:
+                if not line or line.startswith(":"):  # an SSE comment: the router's keep-alive `: ping`
                     continue
+                if not line.startswith("data: "):
+                    return "lost", f"not an SSE data line: {line[:200]}"
                 if line == "data: [DONE]":
                     done = True
                     break
