@@ -87,6 +87,18 @@ def check_output(spec: dict, out: dict) -> str | None:
     return None
 
 
+async def sse_events(resp):
+    """The JSON payloads of a streamed response, then None for `data: [DONE]`. SSE comment lines (a router's
+    keep-alive `: ping`) are skipped; any other line that is not `data: ...` is a ValueError: a lost request."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line or line.startswith(":"):
+            continue
+        if not line.startswith("data: "):
+            raise ValueError(f"not an SSE data line: {line[:200]}")
+        yield None if line == "data: [DONE]" else json.loads(line[len("data: "):])
+
+
 async def send(session, url: str, spec: dict) -> tuple[str, str]:
     """('completed' | 'aborted' | 'lost', detail)."""
     import aiohttp
@@ -101,16 +113,11 @@ async def send(session, url: str, spec: dict) -> tuple[str, str]:
                 problem = check_output(spec, out)
                 return ("lost", problem) if problem else ("completed", "")
             events, last, done = 0, None, False
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line or line.startswith(":"):  # an SSE comment: the router's keep-alive `: ping`
-                    continue
-                if not line.startswith("data: "):
-                    return "lost", f"not an SSE data line: {line[:200]}"
-                if line == "data: [DONE]":
+            async for event in sse_events(resp):
+                if event is None:
                     done = True
                     break
-                last = json.loads(line[len("data: "):])
+                last = event
                 if "error" in last:
                     return "lost", f"error event {last['error']}"
                 events += 1

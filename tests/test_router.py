@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from tests.conftest import COMMON_ARGS, PRUNING, start_server, stop_server
-from tests.load_client import CHAT, LONG_PROMPT, nothing_held, send
+from tests.load_client import CHAT, LONG_PROMPT, nothing_held, send, sse_events
 
 try:  # the distribution, not the `smg` console script (sglang-router's wheel installs one too)
     importlib.metadata.version("smg")
@@ -264,16 +264,10 @@ async def _send_completion(session, url: str, spec: dict) -> tuple[str, str]:
                 problem = _completion_problem(spec, await resp.json())
                 return ("lost", problem) if problem else ("completed", "")
             chunks, ext, done = 0, None, False
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line or line.startswith(":"):  # an SSE comment: the router's keep-alive `: ping`
-                    continue
-                if not line.startswith("data: "):
-                    return "lost", f"not an SSE data line: {line[:200]}"
-                if line == "data: [DONE]":
+            async for event in sse_events(resp):
+                if event is None:
                     done = True
                     break
-                event = json.loads(line[len("data: "):])
                 if "error" in event:
                     return "lost", f"error event {event['error']}"
                 ext = event if event.get("sglext") else ext
