@@ -58,6 +58,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   rm -f .venv/.sgl-entropic-group-*  # a new base: the optional groups go on again
   echo "setup: installed in $((SECONDS - start)) s ($(du -sh .venv | cut -f1) in .venv)"
 fi
+# The signal's CPU kernels, compiled for this machine and torch (about a minute, once; kernels/entropy_cpu.py):
+# without them the signal runs eager torch, slower at large vocabularies
+.venv/bin/python -m sgl_entropic.cpu kernels >/dev/null || echo "setup: the signal's CPU kernels do not compile; eager torch serves" >&2
 # --gpu is `pip install -e .` with deps: sglang's whole CUDA dependency list (requirements/gpu.txt).
 for group in ${groups[@]+"${groups[@]}"}; do
   group_want=$(cat "requirements/$group.txt" | sha256sum | cut -d' ' -f1)

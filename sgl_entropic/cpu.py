@@ -8,6 +8,7 @@ install ships the .pth and `pip uninstall` removes it (setup.py); an editable in
 
     python -m sgl_entropic.cpu install    # write the .pth (scripts/setup.sh's editable install does this)
     python -m sgl_entropic.cpu jit        # compile NGRAM's n-gram trie once (scripts/setup.sh does this)
+    python -m sgl_entropic.cpu kernels    # compile the signal's CPU kernels for this machine, if not yet (setup.sh)
     python -m sgl_entropic.cpu check      # say which sgl_kernel this interpreter gets
 """
 
@@ -99,10 +100,15 @@ def main(argv: list[str]) -> int:
 
         print(f"compiled {get_ngram_corpus_cls().__name__}")
         return 0
+    if argv == ["kernels"]:
+        from sgl_entropic.kernels import entropy_cpu
+
+        print(f"the signal's CPU kernels: {entropy_cpu.build()}")
+        return 0
     if argv == ["check"]:
         print(f"sgl_kernel: {sgl_kernel_origin()} (finder .pth: {'present' if pth_path().is_file() else 'absent'})")
         return 0
-    print("usage: python -m sgl_entropic.cpu {install|jit|check}", file=sys.stderr)
+    print("usage: python -m sgl_entropic.cpu {install|jit|kernels|check}", file=sys.stderr)
     return 2
 
 

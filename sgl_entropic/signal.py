@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from sgl_entropic.kernels import triton_available
+from sgl_entropic.kernels import entropy_cpu, triton_available
 
 
 class TopKEntropy(NamedTuple):
@@ -87,6 +87,9 @@ def entropy_exact(logits: torch.Tensor, scratch: Optional[Scratch] = None) -> to
     A row with no finite entry, or with NaN or +inf, has no distribution and gives NaN;
     `token_stats` is the guarded variant that flags such rows instead. `scratch`: see `Scratch`.
     """
+    compiled = _compiled_for(logits)
+    if compiled is not None:
+        return compiled.entropy(logits.float().contiguous(), torch.ones(logits.shape[0]))
     out = None if scratch is None or logits.numel() == 0 else scratch.get(*logits.shape, logits.device)
     return _entropy_and_lse(logits.float(), out=out)[0]
 
@@ -188,12 +191,24 @@ def token_stats(
     logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None,
     scratch: Optional[Scratch] = None,
 ) -> TokenStats:
-    """`token_stats_reference`'s result: by the one-pass Triton kernel on CUDA, else by torch (in `scratch`)."""
+    """`token_stats_reference`'s result: by the one-pass Triton kernel on CUDA, by the compiled kernel on CPU where
+    it is built (`sgl_entropic.kernels.entropy_cpu`), else by eager torch (in `scratch`)."""
     if logits.is_cuda and triton_available():
         from sgl_entropic.kernels.entropy import token_stats_triton
 
         return TokenStats(*token_stats_triton(logits, token_ids, inv_temperature))
+    compiled = _compiled_for(logits)
+    if compiled is not None:
+        inv_t = torch.ones(logits.shape[0]) if inv_temperature is None else inv_temperature.float().contiguous()
+        return TokenStats(*compiled.token_stats(logits.float().contiguous(), token_ids.long(), inv_t))
     return token_stats_reference(logits, token_ids, inv_temperature, scratch)
+
+
+def _compiled_for(logits: torch.Tensor) -> Optional[entropy_cpu.Compiled]:
+    """The compiled CPU kernels where they serve these rows (2-D, a row or more, a vocabulary of two or more)."""
+    if not logits.is_cpu or logits.dim() != 2 or logits.shape[0] < 1 or logits.shape[1] < 2:
+        return None
+    return entropy_cpu.load()
 
 
 @dataclass

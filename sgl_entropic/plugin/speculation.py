@@ -289,7 +289,8 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
         row_greedy = greedy.numpy()[np.nonzero(committed)[0]]
         temps = node_t.view(-1).index_select(0, keep)
         inv_t = torch.where(torch.from_numpy(row_greedy), 1.0, 1.0 / temps)  # greedy: measured at T = 1
-        measured = token_stats(logits.index_select(0, keep), target.index_select(0, keep), inv_t, rt.scratch)
+        at = logits.narrow(0, int(keep[0]), len(keep)) if contiguous(keep) else logits.index_select(0, keep)
+        measured = token_stats(at, target.index_select(0, keep), inv_t, rt.scratch)
         host = np.zeros((6, bs, width), dtype=np.float32)
         host[:, committed] = np.stack([measured.entropy.numpy(), measured.surprisal.numpy(),
                                        measured.valid.numpy(), np.where(row_greedy, 0.0, temps.numpy()),
@@ -310,6 +311,11 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
         ready = torch.cuda.Event()
         ready.record()
     return VerifyRecord(rows, host.view(6, bs, width), ready, batch.seq_lens_cpu.tolist(), step)
+
+
+def contiguous(nodes: torch.Tensor) -> bool:
+    """Whether ascending node indices are a run (one row's chain: its rows of the logits are a view, not a copy)."""
+    return int(nodes[-1]) - int(nodes[0]) + 1 == len(nodes)
 
 
 @dataclass
