@@ -7,6 +7,8 @@ Configurations (each a server, started per round in a rotated order, its warm-up
                  the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
   entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/speculative.py), at most 12
+  <config>@<dtype>  that configuration in another dtype than --dtype's (e.g. stock@float32: stock's best on a CPU
+                 whose bf16 attention is slow)
 With pruning (`full`), verify steps attend densely; `ours` prunes where its start-up probe found it pays
 (`min_context` from /server_info is recorded with each run).
 Workloads, each at concurrency 1 and 8 (greedy, as the bench client sends; lossless speculation gives every
@@ -183,6 +185,10 @@ def spec_during(before: dict, after: dict) -> dict:
 
 
 def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
+    config, _, dtype = config.partition("@")  # e.g. stock@float32: that server in another dtype than the run's
+    if dtype:
+        at = common_args.index("--dtype") + 1
+        common_args = [*common_args[:at], dtype, *common_args[at + 1:]]
     if config == "stock":
         return common.stock_command(port, common_args)
     if config == "ours":
@@ -249,7 +255,8 @@ def main() -> None:
         for config in order:
             port = common.free_port()
             cmd = config_command(config, port, common_args)
-            with common.start_server(config, cmd, port, common.server_env("cpu", stock=config == "stock")) as srv:
+            stock = config.partition("@")[0] == "stock"
+            with common.start_server(config, cmd, port, common.server_env("cpu", stock=stock)) as srv:
                 for w in workloads:
                     for c in concurrencies:
                         info = srv.info()
@@ -299,9 +306,10 @@ def best_fixed(runs: list[dict], workload: str, concurrency: int) -> Optional[st
     return max(sorted(fixed), key=lambda c: common.median(mine(c)), default=None)
 
 
-def comparisons(config: str, best: Optional[str]) -> list[tuple[str, str]]:
+def comparisons(config: str, best: Optional[str], configs: list[str]) -> list[tuple[str, str]]:
     """(baseline config, label) pairs a config's per-round ratios are taken against."""
-    pairs = [("stock", "vs_stock")] if config != "stock" else []
+    stocks = [c for c in configs if c.partition("@")[0] == "stock" and c != config]  # stock@<dtype> too
+    pairs = [(c, "vs_" + c.replace("@", "_")) for c in stocks] if not config.startswith("stock") else []
     if best is not None and config in ("acceptance", "entropy"):
         pairs.append((best, "vs_best_fixed"))
     if config == "entropy":
@@ -327,7 +335,7 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                                     ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
                                     ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0)):
                     entry[name] = _spread([value(r) for r in mine])
-                    for base, label in comparisons(config, best):
+                    for base, label in comparisons(config, best, configs):
                         others = by_round(base)
                         ratios = [value(r) / value(others[r["round"]]) for r in mine if r["round"] in others]
                         if ratios:
@@ -351,7 +359,7 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
             text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
                 ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s",
                  "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
-    legend = ("Cells: median (min-max) over rounds; then, per round, x stock, x the best fixed length, x acceptance "
+    legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, stock@<dtype> after stock), x the best fixed length, x acceptance "
               "(for the rules).")
     return summary, legend + "\n\n" + "\n\n".join(text)
 
@@ -362,7 +370,7 @@ def _spread(vals: list[float]) -> dict:
 
 def _cell(e: dict) -> str:
     s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
-    for label in ("vs_stock", "vs_best_fixed", "vs_acceptance"):
+    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance"]:
         r = e.get(label)
         if r:
             s += f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
