@@ -359,8 +359,8 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
             text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
                 ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s",
                  "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
-    legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, stock@<dtype> after stock), x the best fixed length, x acceptance "
-              "(for the rules).")
+    legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
+              "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules).")
     return summary, legend + "\n\n" + "\n\n".join(text)
 
 

@@ -8,7 +8,7 @@ probabilities, max of p, p * x and its sum), each an op that finds the rows out 
 forward; at a 262k vocabulary that was most of the plugin's time. Compiled, the temperature, the exponential and
 both sums fuse into two read-only passes (the row max, then the sums).
 
-Built ahead of time, not at run time: `python -m sgl_entropic.cpu jit` (scripts/setup.sh) exports the two
+Built ahead of time, not at run time: `python -m sgl_entropic.cpu kernels` (scripts/setup.sh) exports the two
 functions with dynamic rows and vocabulary and compiles them into packages under `~/.cache/sgl-entropic`, keyed
 by torch's version, the CPU capability torch dispatches to and this file's code. A process loads them in
 milliseconds through AOTInductor's C++ loader (torch.compile at run time cost every server process seconds).
@@ -124,7 +124,7 @@ def load() -> Optional[Compiled]:
     """This machine's compiled kernels, or None (not built here, or they do not load: the reason is logged)."""
     directory = package_dir()
     if not all((directory / f"{name}.pt2").is_file() for name in NAMES):
-        logger.info("sgl-entropic: no compiled CPU entropy kernels in %s (python -m sgl_entropic.cpu jit); "
+        logger.info("sgl-entropic: no compiled CPU entropy kernels in %s (python -m sgl_entropic.cpu kernels); "
                     "eager torch is used", directory)
         return None
     try:
