@@ -36,6 +36,8 @@ class EntropicMetrics:
             "Temperature the entropic controller sampled each token of its requests at.",
             buckets=(0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0),
         )
+        self.degraded = Counter("sglang:entropic_degraded_steps", "Steps whose plugin work failed (their tokens' "
+                                "trace values are null), by where it failed.", labelnames=("where",))
         self.parked = Counter("sglang:entropic_parked_steps", "Decode steps running requests waited (decode budget).")
         # the plugin's own price (timing.py): its hook handlers' time in each decode step, and that time's share
         self.plugin_time = Histogram(

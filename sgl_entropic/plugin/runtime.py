@@ -9,6 +9,8 @@ serves and the admissions are counted, never timed (`sgl_entropic.scheduling`).
 
 from __future__ import annotations
 
+import logging
+import sys
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +22,9 @@ from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
 from sgl_entropic.signal import EntropyTrace, Scratch
 from sgl_entropic.speculative import DraftHits
+
+logger = logging.getLogger("sgl_entropic")
+
 
 @dataclass(eq=False)  # identity semantics: tracked in a WeakSet
 class RequestState:
@@ -70,6 +75,18 @@ class Runtime:
     openai_streams: dict = field(default_factory=dict)
     # Every RequestState alive, to prove that finished requests free theirs.
     live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
+    degraded: dict = field(default_factory=dict)  # faults in the plugin's own step work, by where (fault())
+
+    def fault(self, where: str) -> None:
+        """A fault in the plugin's own work on a step (called in its `except`): the step goes on without it and its
+        tokens get null trace values. The first fault at each place is logged with its traceback, all are counted
+        (/server_info entropic.degraded_steps, /metrics sglang:entropic_degraded_steps_total)."""
+        n = self.degraded[where] = self.degraded.get(where, 0) + 1
+        if n == 1:
+            logger.error("sgl-entropic: %s failed; the step runs without it and its trace values are null (logged "
+                         "once; later faults here are only counted)", where, exc_info=sys.exc_info()[0] is not None)
+        if self.metrics is not None:
+            self.metrics.degraded.labels(where=where).inc()
 
     def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
         self.arrivals += 1

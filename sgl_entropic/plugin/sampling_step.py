@@ -15,7 +15,6 @@ the host copy in `RequestState` (from which a retracted request resumes in its n
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
@@ -28,8 +27,6 @@ from sgl_entropic.plugin.runtime import RequestState, Runtime
 from sgl_entropic.sampling import ControllerBatch, MirostatBatch
 from sgl_entropic.signal import Scratch, TokenStats, token_stats
 from sgl_entropic.transfer import to_device
-
-logger = logging.getLogger("sgl_entropic")
 
 # The batches' fields, in their order; ControllerState and MirostatState carry the same names.
 CONTROLLER_FIELDS = tuple(f.name for f in fields(ControllerBatch))
@@ -175,6 +172,10 @@ class PendingRecord:
     seq_lens: list[int]
     parked: list[int]  # each row's decode-budget wait before this token, as it was when sampled
 
+    def tokens(self) -> list[int]:
+        """Tokens each row commits: one where it is recorded."""
+        return [int(s is not None) for s in self.rows.states]
+
     def finish(self, rt: Runtime) -> None:
         """Traces, host state, gain memory and metrics of the step, once its values are on the host."""
         if self.ready is not None:
@@ -200,6 +201,51 @@ class PendingRecord:
                          **(NO_DRAFT if rt.config.speculative_on else {}))
             state.last_step_entropy = entropy[i] if valid[i] > 0 else None
         tally.report(rt)
+
+
+@dataclass
+class NullRecord:
+    """A step whose plugin work failed: each of its committed tokens gets null in every per-token trace, so that
+    the request's later values stay at their tokens (SGLang slices the lists by output offset)."""
+
+    rows: BatchRows
+    committed: object = None  # tokens each row committed (a verify step's accept lengths); None: one a row
+
+    def tokens(self) -> list[int]:
+        self.rows.drop_released()
+        n = [1] * len(self.rows.reqs) if self.committed is None else [int(k) for k in self.committed]
+        return [committed_tokens(r, k) if s is not None else 0 for r, s, k in zip(self.rows.reqs, self.rows.states, n)]
+
+    def finish(self, rt: Runtime) -> None:
+        for req, state, n in zip(self.rows.reqs, self.rows.states, self.tokens()):
+            if n:
+                pad_tokens(rt, req, state, token_count(req) + n)
+
+
+def committed_tokens(req, n: int) -> int:
+    """Of `n` tokens a step produced for `req`, those that are its own (SGLang cuts what passes max_new_tokens)."""
+    left = req.sampling_params.max_new_tokens - len(req.output_ids)
+    return max(1, min(n, left)) if left > 0 else n
+
+
+TOKEN_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
+DRAFT_KEYS = tuple(NO_DRAFT)
+
+
+def token_count(req) -> int:
+    """Tokens of `req` that have trace values."""
+    return len((req.customized_info or {}).get("entropy", ()))
+
+
+def pad_tokens(rt: Runtime, req, state: RequestState, length: int) -> None:
+    """Every per-token list of `req` filled up to `length` values: null where a value could not be computed, the
+    cumulative ones at the trace's value."""
+    info = req.customized_info = req.customized_info if req.customized_info is not None else {}
+    keys = TOKEN_KEYS + (DRAFT_KEYS if rt.config.speculative_on else ())
+    fill = {**dict.fromkeys(keys), "_entropic_time": state.trace.tau, "_entropic_efficiency": state.trace.efficiency}
+    for key, value in fill.items():
+        values = info.setdefault(key, [])
+        values.extend([value] * (length - len(values)))
 
 
 @dataclass
@@ -290,26 +336,35 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
     fb = rt.forward_batch
     rows = rt.rows
     logits = logits_output.next_token_logits
-    if rows is None or logits is None or logits.shape[0] != len(rows.reqs):
+    if rows is None or logits is None:  # not a batch of ours (an idle batch)
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
     try:
+        if logits.shape[0] != len(rows.reqs):
+            raise RuntimeError(f"{logits.shape[0]} rows of logits for a batch of {len(rows.reqs)} requests")
         step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers, rt.scratch)
         # The sampler turns logits into probabilities in place, except in an all-greedy batch without custom
         # processors (argmax; at most its NaN guard rewrites non-finite entries): there, no copy is needed.
         snapshot = logits if keeps_logits(sampling_info, step.inv_request_t) else rt.scratch.snapshot(
             logits, step.inv_request_t)
     except Exception:
-        logger.exception("sgl-entropic: sampling step setup failed; this step is sampled without control")
-        return original(sampler, logits_output, sampling_info, *args, **kwargs)
+        rt.fault("the sampling step's controller (sampled without control)")
+        token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
+        rt.pending.append(NullRecord(rows))
+        return token_ids
     token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
     try:
         stats, pending = step.record(snapshot, token_ids, fb.seq_lens_cpu.tolist(), rt.scratch)
-        rt.pending.append(pending)
-        if rt.pages is not None:
-            rt.pages.record_sampled(fb.req_pool_indices, rows.produces, stats)
     except Exception:
-        logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
+        rt.fault("the sampling step's signal")
+        rt.pending.append(NullRecord(rows))
+        return token_ids
+    rt.pending.append(pending)
+    if rt.pages is not None:
+        try:
+            rt.pages.record_sampled(fb.req_pool_indices, rows.produces, stats)
+        except Exception:  # the surprisal selector's page scores miss this step; the trace is whole
+            rt.fault("the surprisal selector's page scores")
     return token_ids
 
 
@@ -327,11 +382,21 @@ def before_process_batch_result(scheduler, batch, *args, **kwargs):
 
 
 def finish_pending(rt: Runtime, forward_iter: Optional[int] = None) -> None:
-    """Finish pending records in order, those of batches up to `forward_iter` (None: all)."""
+    """Finish pending records in order, those of batches up to `forward_iter` (None: all). A record that fails
+    leaves each of its rows with exactly the tokens it committed, null where a value is missing."""
     while rt.pending and (forward_iter is None or rt.pending[0].rows.forward_iter is None
                           or rt.pending[0].rows.forward_iter <= forward_iter):
         pending = rt.pending.popleft()
         try:
+            counts = pending.tokens()
+            ends = [token_count(req) + n for req, n in zip(pending.rows.reqs, counts)]
+        except Exception:  # nothing to align the traces by
+            rt.fault("counting a step's committed tokens")
+            continue
+        try:
             pending.finish(rt)
         except Exception:
-            logger.exception("sgl-entropic: recording the sampling step failed; its trace values are missing")
+            rt.fault("recording a step's trace values")
+            for req, state, n, end in zip(pending.rows.reqs, pending.rows.states, counts, ends):
+                if n:
+                    pad_tokens(rt, req, state, end)

@@ -96,6 +96,7 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         "kv_tokens_in_use": scheduler.max_total_num_tokens - allocator.available_size() - tree_cache.evictable_size(),
         "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
         "plugin_time": rt.times.summary(),  # the hook handlers' own time per decode step (timing.py)
+        "degraded_steps": dict(rt.degraded),  # faults in the plugin's step work, by where (Runtime.fault)
     }
     if rt.speculation is not None:  # the draft rule at work (speculation.py)
         result.internal_state[ENTROPIC_KEY]["speculative"] = rt.speculation.summary()

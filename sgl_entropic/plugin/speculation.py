@@ -16,7 +16,7 @@ the step's real work: a verify over W nodes costs W tokens' compute, charged on 
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,14 +27,13 @@ import torch
 from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.sampling_step import _STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, StepTally, record_token
+from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, NullRecord,
+                                               StepTally, committed_tokens, record_token)
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
 from sgl_entropic.transfer import to_device
 from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, draft_trials, offered_drafts,
                                       tree_parents, tree_temperatures)
-
-logger = logging.getLogger("sgl_entropic")
 
 
 @dataclass
@@ -96,10 +95,20 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
     """SGLang's verify batch (`NGRAMWorker._prepare_for_speculative_decoding`), at this step's width."""
     if not batch.forward_mode.is_decode():
         return original(worker, batch, *args, **kwargs)
-    from sglang.srt.speculative import ngram_worker as nw
-
     rt = runtime.current()
     spec = speculation(rt, worker)
+    try:
+        return prepare(rt, spec, worker, batch)
+    except Exception:  # SGLang's own full-width step; its verification then records null values (around_eagle_sample)
+        rt.fault("the draft rule's verify batch")
+        spec.step, worker.draft_token_num = None, spec.sizer.max_width
+        return original(worker, batch, *args, **kwargs)
+
+
+def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
+    """The verify batch SGLang's `_prepare_for_speculative_decoding` builds, at the width the rule picks."""
+    from sglang.srt.speculative import ngram_worker as nw
+
     bs, full, device = len(batch.reqs), spec.sizer.max_width, worker.device
     worker.draft_token_num = full  # the corpus returns full-width trees
     drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
@@ -180,14 +189,29 @@ def around_eagle_sample(original, verify_input, batch, logits_output, grammar_ma
     from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
     rt = runtime.current()
+    if not isinstance(verify_input, NgramVerifyInput) or batch.forward_mode.is_idle():
+        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
     step = rt.speculation.step if rt.speculation is not None else None
-    if step is None or not isinstance(verify_input, NgramVerifyInput) or batch.forward_mode.is_idle():
-        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
-    try:
-        return verify(rt, step, verify_input, batch, logits_output.next_token_logits, grammar_mask)
-    except Exception:  # a fault in our work costs the step its control, never the scheduler
-        logger.exception("sgl-entropic: verification under the controller failed; SGLang's own verifies this step")
-        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+    result = None
+    if step is not None:
+        try:
+            result, make_record = verify(rt, step, verify_input, batch, logits_output.next_token_logits, grammar_mask)
+            rt.pending.append(make_record())
+            return result
+        except Exception:  # a fault in our work costs the step its control or its trace, never the scheduler
+            rt.fault("the verify step's signal" if result is not None else
+                     "verification under the controller (SGLang's verification served the step)")
+    if result is None:
+        result = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+    rt.pending.append(NullRecord(verify_rows(batch), committed=result[1]))  # (predict, accept_lens, accept_index)
+    return result
+
+
+def verify_rows(batch) -> BatchRows:
+    rows = BatchRows.of(batch.reqs, [True] * len(batch.reqs), decode=True,
+                        forward_iter=getattr(batch, "forward_iter", None))
+    rows.drop_released()
+    return rows
 
 
 def around_get_last_loc(original, req_to_token, req_pool_indices, prefix_lens, *args, **kwargs):
@@ -201,7 +225,8 @@ def around_get_last_loc(original, req_to_token, req_pool_indices, prefix_lens, *
 
 
 def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Tensor, grammar_mask):
-    """SGLang's steps of verification (timed as SGLang's), with the node temperatures and the record ours."""
+    """SGLang's steps of verification (timed as SGLang's), with the node temperatures ours; returns eagle_sample's
+    result and what makes the step's record."""
     from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.async_probe import sanitize_nan_logits
@@ -217,8 +242,7 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
             grammar_mask.apply(logits)
 
     sglang(prepare)
-    rows = BatchRows.of(batch.reqs, [True] * bs, decode=True, forward_iter=getattr(batch, "forward_iter", None))
-    rows.drop_released()
+    rows = verify_rows(batch)
     table: ControllerTable = rt.controllers
     greedy = info.top_ks.view(-1) == 1
     node_t = info.temperatures.view(-1).float()[:, None].repeat(1, width)  # [bs, W]
@@ -259,12 +283,8 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
         return target.view(-1), predict, accept_index, num_correct + 1
 
     target, predict, accept_index, accept_lens = sglang(sample)
-    try:
-        rt.pending.append(record(rt, step, rows, logits, node_t, greedy, target, accept_index, accept_lens, ctrl,
-                                 batch))
-    except Exception:
-        logger.exception("sgl-entropic: recording the verify step failed; its trace values are missing")
-    return predict, accept_lens, accept_index
+    return (predict, accept_lens, accept_index), functools.partial(
+        record, rt, step, rows, logits, node_t, greedy, target, accept_index, accept_lens, ctrl, batch)
 
 
 def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, target, accept_index,
@@ -330,22 +350,26 @@ class VerifyRecord:
     step: VerifyStep
     tally: StepTally = field(default_factory=StepTally)
 
-    def finish(self, rt: Runtime) -> None:
+    def accepted(self) -> list[int]:
+        """Drafts each row accepted (its committed tokens, less the one the root always gives)."""
         if self.ready is not None:
             self.ready.synchronize()
-        entropy, surprisal, valid, used_t, committed, token = self.host.tolist()
+        return [int(sum(c)) - 1 for c in self.host[4].tolist()]
+
+    def tokens(self) -> list[int]:
+        return [committed_tokens(r, a + 1) if s is not None else 0
+                for r, s, a in zip(self.rows.reqs, self.rows.states, self.accepted())]
+
+    def finish(self, rt: Runtime) -> None:
+        accepted, counts = self.accepted(), self.tokens()
+        entropy, surprisal, valid, used_t, _, token = self.host.tolist()
         step, spec, drafted = self.step, rt.speculation, self.step.drafted
-        accepted = [int(sum(c)) - 1 for c in committed]
         tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(),
                                     [int(t[0]) for t in token])
         for i, state in enumerate(self.rows.states):
-            req = self.rows.reqs[i]
-            n = accepted[i] + 1
+            req, n = self.rows.reqs[i], counts[i]
             if state is None:
                 continue
-            # tokens past max_new_tokens are cut by SGLang; they are not the request's
-            left = req.sampling_params.max_new_tokens - len(req.output_ids)
-            n = max(1, min(n, left)) if left > 0 else n
             work = step.width * step_cost(rt.dims, self.seq_lens[i] + step.width)
             measured = []
             for j in range(n):
