@@ -1,6 +1,6 @@
 """sgl.Engine in-process: entropic decoding, return_entropy, @sgl.function programs through EngineBackend
 (fork/join's concurrent branches included), one entropic config per process, and nothing left in the
-environment. One script, two engine loads, in a fresh interpreter (hooks patch SGLang process-wide)."""
+environment, and prompts that would end the scheduler refused. One script, two engine loads, in a fresh interpreter (hooks patch SGLang process-wide)."""
 
 import json
 import subprocess
@@ -27,6 +27,14 @@ out["raw"] = engine.generate(
     return_entropy=True,
 )["meta_info"]
 out["plain"] = engine.generate("The weather today is", {"max_new_tokens": 4, "temperature": 0})["meta_info"]
+out["refused_prompts"] = []
+for bad in ({"prompt": ""}, {"input_ids": [1000000000, -1]}):  # each ended stock SGLang's scheduler
+    try:
+        engine.generate(**bad, sampling_params={"max_new_tokens": 2})
+        out["refused_prompts"].append(None)
+    except ValueError as err:
+        out["refused_prompts"].append(str(err))
+out["after_refusals"] = engine.generate("The weather today is", {"max_new_tokens": 4, "temperature": 0})["meta_info"]
 
 @sgl.function
 def answer(s, question):
@@ -71,6 +79,12 @@ def test_engine_and_engine_backend(result):
     assert len(program["temperature"]) == program["completion_tokens"] > 0
     (item,) = result["fork_join"]["questions"]
     assert_join_chose_the_lowest_mean_surprisal(item)
+
+
+def test_the_engine_refuses_what_would_end_its_scheduler_and_keeps_serving(result):
+    empty, out_of_vocabulary = result["refused_prompts"]
+    assert "prompt is empty" in empty and "1000000000 is not a token id" in out_of_vocabulary
+    assert result["after_refusals"]["completion_tokens"] == 4
 
 
 def test_one_config_per_process_and_no_config_left_in_the_environment(result):

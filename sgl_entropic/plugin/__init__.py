@@ -39,6 +39,11 @@ def hook_table(config: EntropicConfig, times: Optional[timing.HookTimes] = None)
         # target                                                                    kind      handler
         # --- main process: HTTP server / tokenizer manager / sgl.Engine
         Hook(S + "sampling.sampling_params.SamplingParams.verify", "after", validation.after_verify, "main"),
+        Hook(S + "managers.tokenizer_manager.TokenizerManager._validate_one_request", "before",
+             validation.before_validate_one_request, "main"),
+        Hook(S + "entrypoints.http_server.ORJSONRequest.json", "around", validation.around_request_json, "main"),
+        Hook(S + "managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "around",
+             validation.around_normalize_batch_and_arguments, "main"),
         Hook(S + "managers.tokenizer_manager.TokenizerManager.update_request_meta_info", "after",
              meta_info.after_update_request_meta_info, "main"),
         Hook(S + "entrypoints.engine.Engine.generate", "around", meta_info.around_engine_generate, "main"),

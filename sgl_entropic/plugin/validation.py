@@ -1,4 +1,8 @@
-"""Request validation, in the HTTP process: a ValueError in `after_verify` becomes HTTP 400.
+"""Request validation, in the HTTP process: a ValueError here becomes HTTP 400 (OpenAI: BadRequest).
+
+`after_verify` checks a request's sampling parameters, `before_validate_one_request` its tokenized
+prompt: what would end the scheduler (an empty prompt, a token id outside the embedding) is refused
+before it leaves this process, for every endpoint, the Engine included (docs/reliability.md).
 
 `request_controllers` is the one check of a request's `custom_params.entropic`: the HTTP
 process calls it to validate, the scheduler calls it again to build the request's state
@@ -84,6 +88,87 @@ def _server_controller(
         return _controllers(cfg, sampling_params.temperature)
     except ValueError:
         return None, None
+
+
+def check_prompt(input_ids: Any, vocab_size: int) -> None:
+    """A prompt the model can run: at least one token, every id an int in [0, vocab_size).
+
+    Stock SGLang 0.5.23 hands both faults to the scheduler, whose forward then raises and exits:
+    an empty prompt in the extend's reshape, an id outside the vocabulary in the embedding.
+    """
+    if input_ids is None:
+        return  # input_embeds or a multimodal prompt: SGLang builds and checks its own
+    if not isinstance(input_ids, list):
+        raise ValueError("input_ids: must be a list of token ids")
+    if not input_ids:
+        raise ValueError("the prompt is empty (0 tokens): send at least one token of text or input_ids")
+    bad = next((t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
+               None)
+    if bad is not None:
+        raise ValueError(f"input_ids: {bad!r} is not a token id of this model (integers in [0, {vocab_size}))")
+
+
+def before_validate_one_request(manager, obj, input_ids, *args, **kwargs):
+    """TokenizerManager._validate_one_request, once per request (batch items too), before SGLang's own checks."""
+    if getattr(obj, "input_embeds", None) is None and not obj.contains_mm_input():
+        check_prompt(input_ids, manager.model_config.vocab_size)
+
+
+# OpenAI bodies that SGLang's own pydantic validators read before their types are checked: a body that is not an
+# object, or a `response_format` that is not one (ChatCompletionRequest.set_json_schema calls .get on it), is an
+# AttributeError there, which FastAPI answers with HTTP 500.
+OPENAI_OBJECT_FIELDS = {"/v1/chat/completions": ("response_format",), "/v1/completions": ()}
+
+
+def check_openai_body(path: str, body: Any) -> None:
+    fields = OPENAI_OBJECT_FIELDS.get(path)
+    if fields is None:
+        return
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    bad = next((f for f in fields if body.get(f) is not None and not isinstance(body[f], dict)), None)
+    if bad is not None:
+        raise ValueError(f"{bad}: must be a JSON object, not {type(body[bad]).__name__}")
+
+
+async def around_request_json(original, request, *args, **kwargs):
+    """SGLang's body parse (`ORJSONRequest.json`), before FastAPI validates the body: HTTP 400 naming the field."""
+    from fastapi import HTTPException
+
+    body = await original(request, *args, **kwargs)
+    try:
+        check_openai_body(request.url.path, body)
+    except ValueError as err:
+        raise HTTPException(status_code=400, detail=str(err)) from None
+    return body
+
+
+def check_sampling_params_shape(sampling_params: Any) -> None:
+    if isinstance(sampling_params, list) and (not sampling_params or not all(isinstance(p, dict)
+                                                                             for p in sampling_params)):
+        raise ValueError("sampling_params: an object, or a non-empty list of objects (one per prompt)")
+    if sampling_params is not None and not isinstance(sampling_params, (dict, list)):
+        raise ValueError(f"sampling_params: must be a JSON object, not {type(sampling_params).__name__}")
+
+
+def around_normalize_batch_and_arguments(original, obj, *args, **kwargs):
+    """GenerateReqInput.normalize_batch_and_arguments: it only reshapes the request's own fields, so what it
+    raises on them (an IndexError on an empty list, ...) is the request's fault: HTTP 400, not 500."""
+    try:  # SGLang's first, so that its fields (is_single) are set: a streamed request's abort reads them
+        result = original(obj, *args, **kwargs)
+    except (IndexError, KeyError, TypeError, AttributeError) as err:
+        check_sampling_params_shape(obj.sampling_params)
+        raise ValueError(f"the request's fields do not fit together ({type(err).__name__}: {err})") from None
+    if not obj.is_single:  # SGLang splits a batch by index later, outside any 4xx path
+        n = len(obj.rid)
+        short = next((f for f in PER_PROMPT if isinstance(getattr(obj, f), list) and len(getattr(obj, f)) < n), None)
+        if short is not None:
+            raise ValueError(f"{short}: {len(getattr(obj, short))} values for a batch of {n} (prompts x n)")
+    return result
+
+
+# A batch's per-prompt lists, as GenerateReqInput.__getitem__ indexes them
+PER_PROMPT = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
 def after_verify(result, sampling_params, *args, **kwargs):
