@@ -113,7 +113,8 @@ def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
     worker.draft_token_num = full  # the corpus returns full-width trees
     drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
-    offers = offered_drafts(drafts, mask).tolist()
+    # a row with penalties verifies no drafts (verify(): only its root can be accepted)
+    offers = [0 if p else k for p, k in zip(penalized(batch.reqs), offered_drafts(drafts, mask).tolist())]
     states = [getattr(r, "entropic", None) for r in batch.reqs]
     prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
@@ -229,13 +230,18 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
     result and what makes the step's record."""
     from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
     from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
     from sglang.srt.utils.async_probe import sanitize_nan_logits
 
     info, sglang = batch.sampling_info, rt.times.sglang
     bs, width = len(batch.reqs), verify_input.draft_token_num
 
-    def prepare():  # as eagle_sample does (penalties are refused: validation.py)
+    def prepare():  # as eagle_sample does: the penalties as of the step's start, on every node
         sanitize_nan_logits(logits, "verify: target model logits")
+        if info.acc_additive_penalties is not None:
+            logits.add_(info.acc_additive_penalties.repeat_interleave(width, dim=0))
+        if info.acc_scaling_penalties is not None:
+            apply_scaling_penalties(logits, info.acc_scaling_penalties.repeat_interleave(width, dim=0))
         if info.logit_bias is not None:
             logits.add_(info.logit_bias.repeat_interleave(width, dim=0))
         if grammar_mask is not None:
@@ -267,11 +273,16 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
             node_info = dataclasses.replace(info, sampling_mask_batch_indices=None, **per_node)
             simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
             target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
+        candidates = verify_input.draft_token.view(bs, width)
+        exact = [i for i, p in enumerate(penalized(batch.reqs)) if p]
+        if exact and width > 1:  # no draft of theirs can match: their root's token alone is committed
+            candidates = candidates.clone()
+            candidates[to_device(exact, candidates.device), 1:] = -1
         predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
         accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
         num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
         verify_tree_greedy_func(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
-                                candidates=verify_input.draft_token.view(bs, width),
+                                candidates=candidates,
                                 retrieve_index=verify_input.retrieve_index,
                                 retrieve_next_token=verify_input.retrieve_next_token,
                                 retrieve_next_sibling=verify_input.retrieve_next_sibling,
@@ -399,14 +410,18 @@ class VerifyRecord:
             rt.metrics.observe_verify(drafted, accepted, step.width)
 
 
+PENALTIES = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))
+
+
+def penalized(reqs) -> list[bool]:
+    """Rows with penalties. SGLang applies them to every node of a verify tree as of the step's start, and feeds
+    each step's last token alone to the penalizer: exact for one committed token a step, so such rows commit
+    their root's token only (what plain decoding would), and cost a verify row, not a decode row."""
+    return [any(getattr(r.sampling_params, name, neutral) != neutral for name, neutral in PENALTIES) for r in reqs]
+
+
 def refuse_request(sampling_params, mirostat: bool) -> None:
     """What verification cannot keep exact is refused (ValueError -> HTTP 400), never silently relaxed."""
-    relaxed = [name for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                                          ("repetition_penalty", 1.0))
-               if getattr(sampling_params, name, neutral) != neutral]
-    if relaxed:
-        raise ValueError(f"{relaxed[0]}: SGLang's speculative verification applies penalties as of the step's start, "
-                         "not per drafted token; not served with --speculative-algorithm")
     if mirostat:
         raise ValueError("custom_params.entropic.controller: mirostat_v2 is not served under speculative decoding "
                          "(the entropic controller is)")
