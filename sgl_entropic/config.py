@@ -153,6 +153,10 @@ class PruningConfig(_Section):
         description="CPU: steps that do not prune run our kernel over every page from this context; None: timed at "
                     "start-up")
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
+    engaged: bool = Field(
+        True, description="set by the launcher and the Engine: false in mode full on CUDA where the crossover rule "
+        "never prunes (the two stages with min_context unset), and then SGLang's attention backend, prefill CUDA "
+        "graphs and KV pool stay as stock has them; not a setting of its own")
     aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
     reference_entropy: Optional[float] = Field(
         None, gt=0.0, le=20.0, description="H_ref (nats) where the keep ratio reaches max; None: ln(V) / 2 of the model"
@@ -262,7 +266,7 @@ class EntropicConfig(_Section):
 
     @property
     def pruning_on(self) -> bool:
-        return self.mode in ("pruning", "full")
+        return self.mode in ("pruning", "full") and self.pruning.engaged
 
     @property
     def active_loops(self) -> list[str]:

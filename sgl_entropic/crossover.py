@@ -35,6 +35,11 @@ MARGIN = 0.1
 CUDA_BOUND_ONLY_MIN_CONTEXT = 32768
 
 
+def cuda_can_prune(shortlist_ratio: Optional[float], min_context: Optional[int]) -> bool:
+    """Whether the CUDA path prunes at any context: a given min_context, or the bound alone (from 32k tokens)."""
+    return min_context is not None or shortlist_ratio is None
+
+
 def cuda_min_context(shortlist_ratio: Optional[float], context_len: int) -> int:
     """The CUDA path's crossover when `pruning.min_context` is unset: 32k tokens with the bound alone,
     past the model's context (never) with the two stages."""

@@ -29,7 +29,7 @@ class Engine(SGLangEngine):
         """Validate our config (pydantic ValidationError on bad values), then start `sgl.Engine`."""
         config = EntropicConfig.model_validate({**(entropic_config or {}), "mode": entropic})
         config, kwargs = _queue_policies(config, kwargs)
-        kwargs = _engine_kwargs(config, kwargs)
+        config, kwargs = _engine_kwargs(config, kwargs)
         config, updates = speculative_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)
         kwargs = {**kwargs, **updates}
         if any(c != config for c in Engine._live.values()):
@@ -63,7 +63,7 @@ def _queue_policies(config: EntropicConfig, kwargs: dict[str, Any]) -> tuple[Ent
     return config, kwargs if policy is None else {**kwargs, "schedule_policy": policy}
 
 
-def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> tuple[EntropicConfig, dict[str, Any]]:
     if "model_path" not in kwargs:
         from sgl_entropic.model import prepare_bundled_model
 
@@ -73,7 +73,8 @@ def _engine_kwargs(config: EntropicConfig, kwargs: dict[str, Any]) -> dict[str, 
 
         if not torch.cuda.is_available():
             kwargs["device"] = "cpu"
-    return {**kwargs, **pruning_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)}
+    config, updates = pruning_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)
+    return config, {**kwargs, **updates}
 
 
 def _activate_here(config: EntropicConfig) -> None:

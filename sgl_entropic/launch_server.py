@@ -126,14 +126,18 @@ def _as_flags(updates: dict) -> list[str]:
             for a in ((flag(name),) if value is True else (flag(name), str(value)))]
 
 
-def map_pruning_flags(rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser) -> list[str]:
+def map_pruning_flags(rest: list[str], config: EntropicConfig,
+                      parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
     """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. Decode CUDA
     graphs stay on (dense steps replay them, pruned ones run eager); prefill graphs go on CUDA (docs/gpu.md)."""
     try:
-        updates = pruning_args(config, _given(rest, PRUNING_FIELDS), _device(rest), spell_flag)
+        config, updates = pruning_args(config, _given(rest, PRUNING_FIELDS), _device(rest), spell_flag)
     except ValueError as err:
         parser.error(str(err))
-    return rest + _as_flags(updates)
+    if config.mode in ("pruning", "full") and not config.pruning.engaged:
+        print("sgl-entropic: pruning does not engage on CUDA with the two-stage selection (docs/gpu.md); SGLang's "
+              "attention backend, prefill CUDA graphs and KV pool stay as stock has them", file=sys.stderr)
+    return rest + _as_flags(updates), config
 
 
 def map_speculative_flags(rest: list[str], config: EntropicConfig,
@@ -199,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = build_config(own.entropic, own.entropic_config, parser)
     check_sglang_version(parser)
     rest, config = map_schedule_policy(rest, config, parser)
-    rest = map_pruning_flags(rest, config, parser)
+    rest, config = map_pruning_flags(rest, config, parser)
     rest, config = map_speculative_flags(rest, config, parser)
     # Spawned SGLang processes inherit the environment: this is how the scheduler gets the config.
     os.environ[CONFIG_ENV] = config.to_env()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from sgl_entropic.config import ATTENTION_BACKEND, KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
+from sgl_entropic.crossover import cuda_can_prune
 
 Spell = Callable[[str, Any], str]
 
@@ -44,13 +45,21 @@ PRUNING_FIELDS = ("attention_backend", "page_size", "disaggregation_mode", "kv_c
                   *REFUSED_WITH_PRUNING)
 
 
-def pruning_args(config: EntropicConfig, args: Mapping[str, Any], device: str, spell: Spell) -> dict[str, Any]:
-    """SGLang arguments pruning sets: the entropic attention backend over KV pages of pruning.page_size
-    tokens (a selected page is one physical page), and on CUDA no prefill CUDA graphs (a replayed extend
-    skips the backend's metadata step, where deferred page bounds are folded before new keys land);
-    ValueError for what would go stale, bypass the page bounds, or split what the plan needs whole."""
+def pruning_args(config: EntropicConfig, args: Mapping[str, Any], device: str,
+                 spell: Spell) -> tuple[EntropicConfig, dict[str, Any]]:
+    """(the config with pruning.engaged set, SGLang arguments pruning sets): the entropic attention backend over
+    KV pages of pruning.page_size tokens (a selected page is one physical page), and on CUDA no prefill CUDA
+    graphs (a replayed extend skips the backend's metadata step, where deferred page bounds are folded before
+    new keys land); ValueError for what would go stale, bypass the page bounds, or split what the plan needs
+    whole. In mode full on CUDA, where the crossover rule never prunes, nothing: stock's backend, graphs and pool."""
+    if not config.pruning.engaged:
+        raise ValueError("pruning.engaged is set by the launcher from the device and the crossover rule, not the "
+                         "entropic config")
     if not config.pruning_on:
-        return {}
+        return config, {}
+    cfg = config.pruning
+    if device == "cuda" and config.mode == "full" and not cuda_can_prune(cfg.shortlist_ratio, cfg.min_context):
+        return config.model_copy(update={"pruning": cfg.model_copy(update={"engaged": False})}), {}
     mode, updates = f"--entropic {config.mode}", {}
     backend = args.get("attention_backend")
     if backend is None:
@@ -92,7 +101,7 @@ def pruning_args(config: EntropicConfig, args: Mapping[str, Any], device: str, s
                              "are written; drop it (decode CUDA graphs stay on)")
         if not args.get("disable_prefill_cuda_graph"):
             updates["disable_prefill_cuda_graph"] = True
-    return updates
+    return config, updates
 
 
 # Attention backends with a verify forward on CPU (torch_native has none: ours adds it).

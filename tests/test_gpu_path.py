@@ -26,38 +26,63 @@ class _Parser(argparse.ArgumentParser):
 
 
 # One process: SGLang's own parser turns the launcher's and the Engine's arguments into the ServerArgs a CUDA server
-# would run with (its run_server replaced by a capture), for the default mode, which prunes.
+# would run with (its run_server replaced by a capture), for the default `full` (which cannot prune on CUDA: the
+# two stages never beat a graph-replayed dense step) and for `full` with a min_context (which prunes from there).
 _SERVER_ARGS_ON_CUDA = r"""
 import json, sys
 import sglang.launch_server
 import sglang.srt.utils
 from sglang.srt.server_args import ServerArgs
-from sgl_entropic import launch_server
+from sgl_entropic import launch_server, plugin
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.engine import _engine_kwargs
 from sgl_entropic.model import bundled_model_path
 
-seen = {}
-sglang.launch_server.run_server = lambda args: seen.setdefault("launcher", args)
+seen = []
+sglang.launch_server.run_server = lambda args: seen.append(args)
 sglang.srt.utils.kill_process_tree = lambda *a, **k: None
 model = str(bundled_model_path())
-launch_server.main(["--model-path", model, "--device", "cuda"])
-engine = ServerArgs(**_engine_kwargs(EntropicConfig(mode="full"), {"model_path": model, "device": "cuda"}))
-print(json.dumps({name: {k: getattr(a, k) for k in ("disable_cuda_graph", "disable_prefill_cuda_graph",
-                                                     "attention_backend", "page_size")}
-                  for name, a in (("launcher", seen["launcher"]), ("engine", engine))}))
+case = sys.argv[1]  # one interpreter a case: SGLang loads the plugin once per process
+extra = {"stock": None, "default": {}, "prunes": {"pruning": {"min_context": 8192}}}[case]
+if extra is None:
+    from sglang.srt.server_args import prepare_server_args
+    args = {"launcher": prepare_server_args(["--model-path", model, "--device", "cuda"]),
+            "engine": ServerArgs(model_path=model, device="cuda")}
+    hooks = []
+else:
+    launch_server.main(["--model-path", model, "--device", "cuda", "--entropic-config", json.dumps(extra)])
+    config, kwargs = _engine_kwargs(EntropicConfig.model_validate({"mode": "full", **extra}),
+                                    {"model_path": model, "device": "cuda"})
+    args = {"launcher": seen[-1], "engine": ServerArgs(**kwargs)}
+    hooks = sorted({h.target.rsplit(".", 2)[-2] for h in plugin.hook_table(config)})
+out = {who: {k: getattr(a, k) for k in ("disable_cuda_graph", "disable_prefill_cuda_graph", "attention_backend",
+                                         "page_size")} for who, a in args.items()}
+print(json.dumps({**out, "hooks": hooks}))
 """
 
 
-def test_the_launcher_and_the_engine_keep_cuda_graphs(model_path):
-    proc = subprocess.run([sys.executable, "-c", _SERVER_ARGS_ON_CUDA], capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    received = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_on_cuda_full_changes_nothing_where_pruning_cannot_engage_and_keeps_decode_graphs_where_it_can(model_path):
+    received, stderr = {}, {}
+    for case in ("stock", "default", "prunes"):
+        proc = subprocess.run([sys.executable, "-c", _SERVER_ARGS_ON_CUDA, case], capture_output=True, text=True,
+                              timeout=300, env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        received[case], stderr[case] = json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    assert "pruning does not engage on CUDA" in stderr["default"]
     for who in ("launcher", "engine"):
-        # decode graphs stay; prefill graphs go (a replayed extend would skip the page store's fold)
-        assert received[who] == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
-                                 "attention_backend": "entropic", "page_size": 16}, who
+        # the default: exactly what stock SGLang runs with (its backend, its prefill graphs, its page size) ...
+        assert received["default"][who] == received["stock"][who], who
+        # ... and where pruning engages: decode graphs stay, prefill graphs go (a replayed extend would skip the
+        # page store's fold)
+        assert received["prunes"][who] == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
+                                           "attention_backend": "entropic", "page_size": 16}, who
+    # the KV pool: only an engaged pruning loop takes the page store's bytes out of it (config_from_budget)
+    assert "KVCacheConfigurator" not in received["default"]["hooks"]
+    assert "KVCacheConfigurator" in received["prunes"]["hooks"]
+
+
+# `full` with pruning that engages on CUDA (a min_context), for the refusals below
+PRUNES_ON_CUDA = EntropicConfig.model_validate({"mode": "full", "pruning": {"min_context": 4096}})
 
 
 @pytest.mark.parametrize("field", sorted(KV_PATHS_PRUNING_CANNOT_SEE))
@@ -67,8 +92,9 @@ def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(fiel
         map_pruning_flags([flag], EntropicConfig(mode="pruning"), _Parser())
     map_pruning_flags([flag], EntropicConfig(mode="sampling"), _Parser())  # no pruning: nothing to go stale
     with pytest.raises(ValueError, match=field):
-        _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", field: True})
+        _engine_kwargs(PRUNES_ON_CUDA, {"model_path": "m", "device": "cuda", field: True})
     _engine_kwargs(EntropicConfig(mode="scheduling"), {"model_path": "m", "device": "cuda", field: True})
+    _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", field: True})  # cannot prune
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -79,17 +105,34 @@ def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(fiel
 ])
 def test_what_splits_the_page_plan_or_hides_the_keys_is_refused_with_pruning(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", **kwargs})
+        _engine_kwargs(PRUNES_ON_CUDA, {"model_path": "m", "device": "cuda", **kwargs})
     _engine_kwargs(EntropicConfig(mode="sampling"), {"model_path": "m", "device": "cuda", **kwargs})  # no pruning
 
 
 def test_pruning_on_cuda_needs_a_power_of_two_page_and_no_prefill_graphs():
-    config = EntropicConfig.model_validate({"mode": "full", "pruning": {"page_size": 24}})
+    config = EntropicConfig.model_validate({"mode": "full", "pruning": {"page_size": 24, "min_context": 4096}})
     with pytest.raises(ValueError, match="power of two"):
         _engine_kwargs(config, {"model_path": "m", "device": "cuda"})
-    assert _engine_kwargs(config, {"model_path": "m", "device": "cpu"})["page_size"] == 24  # the CPU kernel takes any
-    assert _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cuda"})["disable_prefill_cuda_graph"]
-    assert "disable_prefill_cuda_graph" not in _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cpu"})
+    assert _engine_kwargs(config, {"model_path": "m", "device": "cpu"})[1]["page_size"] == 24  # the CPU kernel: any
+    assert _engine_kwargs(PRUNES_ON_CUDA, {"model_path": "m", "device": "cuda"})[1]["disable_prefill_cuda_graph"]
+    assert "disable_prefill_cuda_graph" not in _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cpu"})[1]
+
+
+@pytest.mark.parametrize("pruning, engaged", [({}, False), ({"min_context": 4096}, True),
+                                              ({"shortlist_ratio": None}, True)])
+def test_full_on_cuda_engages_pruning_only_where_the_crossover_rule_can_prune(pruning, engaged):
+    config = EntropicConfig.model_validate({"mode": "full", "pruning": pruning})
+    config_cuda, kwargs = _engine_kwargs(config, {"model_path": "m", "device": "cuda"})
+    assert config_cuda.pruning_on is engaged and ("attention_backend" in kwargs) is engaged
+    assert _engine_kwargs(config, {"model_path": "m", "device": "cpu"})[0].pruning_on  # CPU: timed, may prune
+    # an explicit `--entropic pruning` keeps today's behaviour: the user asked for the loop
+    assert _engine_kwargs(config.model_copy(update={"mode": "pruning"}), {"model_path": "m", "device": "cuda"})[0] \
+        .pruning_on
+
+
+def test_engaged_is_the_launcher_s_not_a_setting():
+    with pytest.raises(ValueError, match="pruning.engaged is set by the launcher"):
+        _engine_kwargs(EntropicConfig.model_validate({"pruning": {"engaged": False}}), {"model_path": "m"})
 
 
 def test_pd_disaggregation_is_refused_with_pruning():

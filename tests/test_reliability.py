@@ -436,9 +436,12 @@ def _launcher_cases():
         (["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
         (["--pipeline-parallel-size", "2"], "--pp-size 2"),
         (["--kv-cache-dtype=fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
-        (["--device", "cuda", "--cuda-graph-backend-prefill", "breakable"], "--cuda-graph-backend-prefill breakable"),
-        (["--device", "cuda", "--page-size", "12", "--entropic-config", '{"pruning": {"page_size": 12}}'],
-         "power of two"),
+        # on CUDA pruning engages under `full` with a min_context (the default two stages never prune there)
+        (["--device", "cuda", "--cuda-graph-backend-prefill", "breakable", "--entropic-config",
+          '{"pruning": {"min_context": 4096}}'], "--cuda-graph-backend-prefill breakable"),
+        (["--device", "cuda", "--page-size", "12", "--entropic-config",
+          '{"pruning": {"page_size": 12, "min_context": 4096}}'], "power of two"),
+        (["--entropic-config", '{"pruning": {"engaged": false}}'], "pruning.engaged is set by the launcher"),
         # speculative decoding: only what the plugin verifies exactly (server_args.speculative_args)
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
         (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
