@@ -146,12 +146,12 @@ class PruningConfig(_Section):
     entropy_floor: float = Field(0.0, ge=0.0, le=20.0, description="below this H (nats) the budget stops shrinking")
     min_context: Optional[int] = Field(
         None, ge=0, le=10_000_000,
-        description="shorter contexts attend everything; None: where pruning pays (CPU: timed at start-up; CUDA: a "
-                    "rule measured on an H200)")
+        description="shorter contexts attend everything; None: where pruning pays (CPU: timed once per machine "
+                    "and kept; CUDA: a rule measured on an H200)")
     dense_kernel_from: Optional[int] = Field(
         None, ge=0, le=10_000_000,
-        description="CPU: steps that do not prune run our kernel over every page from this context; None: timed at "
-                    "start-up")
+        description="CPU: steps that do not prune run our kernel over every page from this context; None: timed "
+                    "once per machine and kept")
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
     engaged: bool = Field(
         True, description="set by the launcher and the Engine: false in mode full on CUDA where the crossover rule "

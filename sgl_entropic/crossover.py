@@ -7,6 +7,10 @@ measures it at start-up (the CPU attention backend times its own dense and spars
 synthetic KV of the served model's shape) instead of trusting a fixed token count; an
 explicit `pruning.min_context` overrides it.
 
+The timings are measured once per machine and kept (`save_timings` / `load_timings`, keyed by the machine,
+torch, the kernels' code, the model's attention shape and the pruning config): every later start, and every
+restart, reads them, so the kernel a step runs never follows the load of the moment it started.
+
 On CUDA a start-up probe cannot time what serving runs (a dense step replays a CUDA graph, a pruned
 one runs eager), so the crossover there is a rule taken from a measurement on an H200
 (`cuda_min_context`; docs/gpu.md, scripts/gpu_crossover.py).
@@ -14,8 +18,11 @@ one runs eager), so the crossover there is a rule taken from a measurement on an
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 # The grid of context lengths timed at start-up (tokens; capped at the model's and the pool's).
@@ -83,3 +90,26 @@ def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequenc
             d, s = min(d, _timed(dense)), min(s, _timed(sparse))
         out.append(Timing(n, d, s))
     return out
+
+
+def timings_file(directory: Path, key: dict) -> Path:
+    """Where the timings measured under `key` (plain JSON data) are kept."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return directory / f"{digest}.json"
+
+
+def load_timings(path: Path) -> dict[str, list[Timing]]:
+    """The timings kept at `path` by kind ("kernel": our kernel over every page, "pruned"); {} when none."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {kind: [Timing(*row) for row in rows] for kind, rows in data.get("timings", {}).items()}
+
+
+def save_timings(path: Path, key: dict, timings: dict[str, list[Timing]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = {kind: [[t.context, t.dense_s, t.sparse_s] for t in ts] for kind, ts in timings.items()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "timings": rows}, indent=1))
+    tmp.replace(path)  # atomic: ranks or servers starting together never read half a file

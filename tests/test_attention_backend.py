@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sgl_entropic.config import EntropicConfig
-from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin import attention, runtime
 from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
 from sgl_entropic.plugin.page_store import PageStore
 from sgl_entropic.pruning import num_pages, row_pages, sparse_decode_attention
@@ -272,6 +272,35 @@ def test_dense_decode_steps_defer_their_keys_until_a_step_prunes():
     backend.planner.cfg = CFG  # from here on the batch prunes
     backend.init_forward_metadata(batch)
     assert backend.plan is not None and (store.kmax[:, pages] == 50.0).all()
+
+
+@pytest.fixture(autouse=True)
+def timings_kept_here(tmp_path, monkeypatch):
+    """Start-up timings are kept per machine (crossover.py); here in a folder of the test's own."""
+    monkeypatch.setattr(attention, "timings_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_start_up_timings_are_measured_once_per_machine_and_read_on_every_later_start(timings_kept_here,
+                                                                                      monkeypatch):
+    """A restart times nothing and reaches the same decisions (the kernel a step runs never follows the load of
+    the moment a server started); another config is another measurement."""
+    cfg = CFG.model_copy(update={"min_context": None})
+    first = EntropicTorchNativeAttnBackend(stub_runner(), cfg)
+    assert len(list(timings_kept_here.glob("*.json"))) == 1
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(attention, "measure", no_timing)
+        again = EntropicTorchNativeAttnBackend(stub_runner(), cfg)
+    assert (again.probe.timings, again.probe.kernel_timings) == (first.probe.timings, first.probe.kernel_timings)
+    assert (again.probe.dense_kernel_from, again.planner.cfg.min_context) == \
+        (first.probe.dense_kernel_from, first.planner.cfg.min_context)
+    with pytest.raises(AssertionError, match="timed again"), monkeypatch.context() as m:
+        m.setattr(attention, "measure", no_timing)
+        EntropicTorchNativeAttnBackend(stub_runner(), cfg.model_copy(update={"shortlist_ratio": 0.7}))
 
 
 def test_given_both_crossovers_the_backend_times_nothing():

@@ -18,16 +18,19 @@ KV is written.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
+import platform
+from pathlib import Path
 from typing import Optional
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
-from sgl_entropic.crossover import CONTEXTS, crossover, measure
+from sgl_entropic.crossover import CONTEXTS, crossover, load_timings, measure, save_timings, timings_file
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
 from sgl_entropic.plugin.page_store import PageStore
@@ -46,6 +49,36 @@ logger = logging.getLogger("sgl_entropic")
 # gathered copies a large batch materialises per layer (memory); timed here, its speed effect was
 # inside this machine's noise.
 CPU_GROUP_TOKENS = 4096
+
+
+def timings_dir() -> Path:
+    from sgl_entropic.model import cache_dir
+
+    return cache_dir() / "crossovers"
+
+
+# the code whose speed the start-up probe times: a change to it is a new measurement
+TIMED_CODE = ("plugin/attention.py", "plugin/page_planner.py", "plugin/page_store.py", "pruning/kernel.py",
+              "pruning/plan.py", "pruning/select.py", "pruning/scores.py", "pruning/budget.py")
+
+
+def probe_key(shape, layers: int, contexts: list[int], cfg: PruningConfig) -> dict:
+    """What the start-up timings depend on: the machine, torch, the timed code, the attention shape, the config."""
+    root = Path(__file__).resolve().parents[1]
+    code = hashlib.sha256(b"".join((root / f).read_bytes() for f in TIMED_CODE)).hexdigest()[:16]
+    heads_q, heads_kv, dim, dtype = shape
+    return {"cpu": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "code": code, "shape": [heads_q, heads_kv, dim, str(dtype), layers],
+            "contexts": contexts, "pruning": cfg.model_dump(mode="json", exclude={"min_context", "engaged"})}
+
+
+def _cpu_model() -> str:
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
@@ -78,26 +111,37 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
             if cfg.min_context is None:
                 self.planner.cfg = cfg.model_copy(update={"min_context": UNMEASURED_MIN_CONTEXT})
             return Probe(timings, kernel_timings, from_, check)
-        # where our kernels pay on this machine and model: over every page, then pruned (unless given)
+        # where our kernels pay on this machine and model: over every page, then pruned (unless given);
+        # measured once per machine, model shape and config, then read from the cache (crossover.py)
         cap = min(config.context_len, model_runner.token_to_kv_pool.size)
         contexts = [n for n in CONTEXTS if n <= cap]
         layers = len(self.planner.full_layers)  # sliding-window layers run SGLang's code either way
+        path = timings_file(timings_dir(), probe_key(shape, layers, contexts, cfg))
+        kept = load_timings(path)
+        measured = dict(kept)
         if cfg.dense_kernel_from is None:
-            kernel_timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False),
-                                     contexts)
+            if "kernel" not in kept:
+                measured["kernel"] = measure(
+                    lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False), contexts)
+            kernel_timings = measured["kernel"]
             from_ = crossover(kernel_timings)
         else:
             from_ = cfg.dense_kernel_from
         if cfg.min_context is None:
-            timings = measure(lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=True,
-                                                               dense_kernel=from_ is not None and n >= from_),
-                              contexts)
+            if "pruned" not in kept:
+                measured["pruned"] = measure(
+                    lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=True,
+                                                     dense_kernel=from_ is not None and n >= from_), contexts)
+            timings = measured["pruned"]
             found = crossover(timings)
             self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
                                                       config.context_len + 1})
-        logger.info("sgl-entropic: pruning from %s tokens, our kernel over every page from %s (ms per step, "
+        if measured.keys() != kept.keys():
+            save_timings(path, probe_key(shape, layers, contexts, cfg), measured)
+        logger.info("sgl-entropic: pruning from %s tokens, our kernel over every page from %s (%s %s; ms per step, "
                     "context: SGLang's loop / ours over every page / ours pruned: %s)",
                     self.planner.cfg.min_context, from_ if from_ is not None else "no measured context",
+                    "timed now, kept in" if measured.keys() != kept.keys() else "as timed before, in", path,
                     ", ".join(f"{k.context}: {k.dense_s * 1e3:.1f}/{k.sparse_s * 1e3:.1f}/"
                               + (f"{t.sparse_s * 1e3:.1f}" if t else "-")
                               for k, t in itertools.zip_longest(kernel_timings, timings)))
