@@ -108,19 +108,22 @@ class VerifyInput:
     """Stands in for SGLang's NgramVerifyInput (the hook checks the type)."""
 
 
-@pytest.mark.parametrize("where", ["verification", "record"])
+@pytest.mark.parametrize("where", ["verify batch", "verification", "record"])
 def test_a_failed_verify_step_gives_each_committed_token_a_null_value(where, monkeypatch):
-    """A verify step commits 1 + accepted tokens a row; a fault in verification (SGLang's own verification then
-    serves the step) or in its record leaves exactly that many nulls, capped at max_new_tokens."""
+    """A verify step commits 1 + accepted tokens a row; a fault in the draft rule's verify batch (the step then
+    has no plan of ours), in verification (SGLang's own verification serves the step) or in its record leaves
+    exactly that many nulls, capped at max_new_tokens."""
     from sglang.srt.speculative import ngram_info
 
     monkeypatch.setattr(ngram_info, "NgramVerifyInput", VerifyInput)
     rt, reqs = setup(SPECULATIVE)
     reqs[1].sampling_params.max_new_tokens = 5  # 3 committed: 2 of its 4 accepted tokens are its own
-    rt.speculation = SimpleNamespace(step=object())
+    rt.speculation = SimpleNamespace(step=None if where == "verify batch" else object())
     accept_lens = torch.tensor([3, 4])
     served = ("predict", accept_lens, "accept_index")
-    if where == "verification":
+    if where == "verify batch":
+        monkeypatch.setattr(speculation, "verify", faulty)  # not reached: the step has no plan of ours
+    elif where == "verification":
         monkeypatch.setattr(speculation, "verify", faulty)
     else:
         monkeypatch.setattr(speculation, "verify", lambda *a, **k: (served, faulty))
@@ -133,5 +136,5 @@ def test_a_failed_verify_step_gives_each_committed_token_a_null_value(where, mon
         r.output_ids.extend([0] * n)
         assert_aligned(r, speculative=True)
         assert r.customized_info["entropy"][-n:] == [None] * n
-    assert list(rt.degraded.values()) == [1]
+    assert list(rt.degraded.values()) == ([] if where == "verify batch" else [1])  # that one counts at its batch
 

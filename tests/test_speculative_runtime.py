@@ -4,7 +4,6 @@ with its distribution, every committed token traced, what cannot stay exact refu
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import Counter
 
@@ -12,29 +11,11 @@ import pytest
 import requests
 from scipy.stats import chi2_contingency
 
-from tests.conftest import shared_server_cmd, start_server, stop_server
+from tests.prompts import CHAT, real_prompts
 
 pytestmark = pytest.mark.server
 
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _real_prompts() -> list[str]:
-    """Prompts over text nobody here wrote (SGLang's own sources and docs): copying work and an open question."""
-    import sglang
-    from sglang.srt.speculative import ngram_worker
-
-    readme = open(sglang.__file__.replace("__init__.py", "README.md")).read()
-    folders = readme.split("## Files")[0]
-    code = inspect.getsource(ngram_worker.NGRAMWorker._efficient_concat_last_n)
-    return [
-        CHAT.format(f"{folders}\nList the folder names above, one per line."),
-        CHAT.format(f"```python\n{code}```\nRewrite this function with type hints on every line."),
-        CHAT.format("What is speculative decoding? Answer in two sentences."),
-    ]
-
-
-PROMPTS = _real_prompts()
+PROMPTS = real_prompts()
 
 
 def _greedy(server, text: str, n: int = 48, **extra) -> dict:
@@ -122,33 +103,3 @@ def test_mirostat_which_verification_cannot_follow_is_http_400(spec_server):
     r = spec_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, **params}})
     assert r.status_code == 400 and "mirostat_v2" in r.text
     assert math.isfinite(_greedy(spec_server, "hi", 2)["meta_info"]["entropic_time"])  # still serving
-
-
-@pytest.fixture(scope="module")
-def sync_server(tmp_path_factory):
-    """The shared server's configuration without SGLang's overlap scheduler, which speculative decoding on CPU runs
-    without. Overlapped, SGLang feeds each step's token to the penalizer a step late (`req.output_ids[-1]` when the
-    next step is prepared), so penalized output is compared with decoding that feeds it on time."""
-    srv = start_server(shared_server_cmd() + ["--disable-overlap-schedule"],
-                       tmp_path_factory.mktemp("sync") / "server.log")
-    yield srv
-    stop_server(srv.proc)
-
-
-PENALTIES = [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8}, {"presence_penalty": 0.6}]
-
-
-def test_penalized_requests_are_served_exactly_beside_drafting_ones(sync_server, spec_server):
-    """Each penalty beside an unpenalized request in one batch: greedy output token-identical to plain decoding
-    (penalized rows commit one token a step, speculation.penalized), and each penalty changes some output."""
-    changed = [False] * len(PENALTIES)
-    for prompt in PROMPTS:
-        params = [{"max_new_tokens": 40, "temperature": 0, **p} for p in [*PENALTIES, {}]]
-        outs = []
-        for srv in (sync_server, spec_server):
-            r = srv.post("/generate", {"text": [prompt] * len(params), "sampling_params": params})
-            assert r.status_code == 200, r.text
-            outs.append([o["output_ids"] for o in r.json()])
-        assert outs[1] == outs[0]
-        changed = [c or out != outs[0][-1] for c, out in zip(changed, outs[0])]
-    assert all(changed)

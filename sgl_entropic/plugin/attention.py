@@ -279,11 +279,12 @@ def around_logits_forward(original, processor, input_ids, hidden_states, lm_head
     """surprisal selector: prompt tokens' surprisal from the model's own logits, beside their KV slots."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    store = runtime.current().pages
-    if store is not None and store.slot_surprisal is not None and isinstance(logits_metadata, ForwardBatch) and logits_metadata.forward_mode.is_extend() \
-            and not logits_metadata.forward_mode.is_target_verify():
+    rt = runtime.current()
+    store = rt.pages
+    if store is not None and store.slot_surprisal is not None and isinstance(logits_metadata, ForwardBatch) \
+            and logits_metadata.forward_mode.is_extend() and not logits_metadata.forward_mode.is_target_verify():
         try:
             store.record_prompt(processor, hidden_states, lm_head, logits_metadata)
         except Exception:  # unscored slots stay NaN, i.e. always attended
-            logger.exception("sgl-entropic: scoring the prompt tokens failed; their pages stay attended")
+            rt.fault("scoring the prompt tokens (their pages stay attended)")
     return original(processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)

@@ -10,7 +10,6 @@ entropic; EntropicConfig.entropic_order) SGLang orders both queues by the user's
 from __future__ import annotations
 
 import copy
-import logging
 import sys
 from typing import Optional
 
@@ -26,7 +25,6 @@ from sgl_entropic.scheduling import (
     select_decode,
 )
 
-logger = logging.getLogger("sgl_entropic")
 
 # Matching every waiting request against the radix cache costs a tree walk each; SGLang's own
 # cache-aware policies stop matching above this queue length (schedule_policy.py), and so do we.
@@ -201,7 +199,7 @@ def around_update_running_batch(original, scheduler, batch):
             if not all(mask):
                 split = DecodeSplit(ret, mask)
     except Exception:
-        logger.exception("sgl-entropic: decode budget failed; this step decodes the whole batch")
+        rt.fault("the decode budget (the step decodes the whole batch)")
         split = None
     if split is None:
         ret.prepare_for_decode()

@@ -1,4 +1,4 @@
-"""Fuzzing a live server (speculation and pruning on): no request body may stop it.
+"""Fuzzing live servers (one with speculation, one pruning long prompts): no request body may stop them.
 
 Generated with hypothesis, not schemathesis: SGLang's OpenAPI schema leaves `sampling_params` and
 `custom_params` as free objects and `input_ids` untyped, so schema-driven bodies rarely reach the values
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from sgl_entropic.config import EntropicConfig
-from tests.load_client import CHAT, nothing_held, serves, wait_until_nothing_is_held
+from tests.load_client import CHAT, LONG_PROMPT, nothing_held, serves, wait_until_nothing_is_held
 
 pytestmark = pytest.mark.server
 
@@ -57,7 +57,8 @@ def bodies(junky: bool) -> st.SearchStrategy:
 
     texts = st.one_of(
         st.sampled_from(["Hello", "The capital of France is", CHAT.format("Write a haiku."), "", " ", "\n\n",
-                         "{\"a\": ", "ÿþ\ud800 lone surrogate", "\u0000\u0001 control", "🙂" * 20]),
+                         "{\"a\": ", "ÿþ\ud800 lone surrogate", "\u0000\u0001 control", "🙂" * 20,
+                         CHAT.format(LONG_PROMPT * 5 + "\nSummarize the notes.")]),  # ~1.3k tokens: pruned decode
         st.text(max_size=64),
     )
     token_ids = st.one_of(st.lists(st.integers(0, 49151), max_size=24), st.lists(st.integers(0, 49151), max_size=24),
@@ -186,14 +187,22 @@ def fuzz(server, examples: int, derandomize: bool) -> None:
     assert server.generate(GREEDY)["output_ids"] == before
 
 
-def test_no_request_body_stops_the_server(spec_server):
-    assert serves(spec_server, timeout_s=5)
-    fuzz(spec_server, FUZZ_BODIES, derandomize=True)
+# speculation (NGRAM, whose verify steps attend densely), and pruning decoding long prompts sparsely: both
+# session servers of the tier
+SERVERS = ["spec_server", "server"]
+
+
+@pytest.mark.parametrize("which", SERVERS)
+def test_no_request_body_stops_the_server(which, request):
+    srv = request.getfixturevalue(which)
+    assert serves(srv, timeout_s=5)
+    fuzz(srv, FUZZ_BODIES, derandomize=True)
 
 
 @pytest.mark.slow
-def test_no_request_body_stops_the_server_long(spec_server):
-    fuzz(spec_server, SLOW_FUZZ_BODIES, derandomize=False)
+@pytest.mark.parametrize("which", SERVERS)
+def test_no_request_body_stops_the_server_long(which, request):
+    fuzz(request.getfixturevalue(which), SLOW_FUZZ_BODIES, derandomize=False)
 
 
 def test_the_hook_table_has_the_prompt_check_on_every_endpoint():
