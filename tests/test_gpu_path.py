@@ -42,32 +42,32 @@ seen = []
 sglang.launch_server.run_server = lambda args: seen.append(args)
 sglang.srt.utils.kill_process_tree = lambda *a, **k: None
 model = str(bundled_model_path())
-case = sys.argv[1]  # one interpreter a case: SGLang loads the plugin once per process
-extra = {"stock": None, "default": {}, "prunes": {"pruning": {"min_context": 8192}}}[case]
-if extra is None:
+fields = ("disable_cuda_graph", "disable_prefill_cuda_graph", "attention_backend", "page_size")
+out = {}
+if sys.argv[1] == "default":  # stock first (no plugin), then ours: SGLang loads the plugin once per process
     from sglang.srt.server_args import prepare_server_args
-    args = {"launcher": prepare_server_args(["--model-path", model, "--device", "cuda"]),
-            "engine": ServerArgs(model_path=model, device="cuda")}
-    hooks = []
-else:
-    launch_server.main(["--model-path", model, "--device", "cuda", "--entropic-config", json.dumps(extra)])
-    config, kwargs = _engine_kwargs(EntropicConfig.model_validate({"mode": "full", **extra}),
-                                    {"model_path": model, "device": "cuda"})
-    args = {"launcher": seen[-1], "engine": ServerArgs(**kwargs)}
-    hooks = sorted({h.target.rsplit(".", 2)[-2] for h in plugin.hook_table(config)})
-out = {who: {k: getattr(a, k) for k in ("disable_cuda_graph", "disable_prefill_cuda_graph", "attention_backend",
-                                         "page_size")} for who, a in args.items()}
-print(json.dumps({**out, "hooks": hooks}))
+    stock = {"launcher": prepare_server_args(["--model-path", model, "--device", "cuda"]),
+             "engine": ServerArgs(model_path=model, device="cuda")}
+    out["stock"] = {who: {k: getattr(a, k) for k in fields} for who, a in stock.items()}
+extra = {"default": {}, "prunes": {"pruning": {"min_context": 8192}}}[sys.argv[1]]
+launch_server.main(["--model-path", model, "--device", "cuda", "--entropic-config", json.dumps(extra)])
+config, kwargs = _engine_kwargs(EntropicConfig.model_validate({"mode": "full", **extra}),
+                                {"model_path": model, "device": "cuda"})
+out[sys.argv[1]] = {who: {k: getattr(a, k) for k in fields}
+                    for who, a in (("launcher", seen[-1]), ("engine", ServerArgs(**kwargs)))}
+out[sys.argv[1]]["hooks"] = sorted({h.target.rsplit(".", 2)[-2] for h in plugin.hook_table(config)})
+print(json.dumps(out))
 """
 
 
 def test_on_cuda_full_changes_nothing_where_pruning_cannot_engage_and_keeps_decode_graphs_where_it_can(model_path):
     received, stderr = {}, {}
-    for case in ("stock", "default", "prunes"):
+    for case in ("default", "prunes"):
         proc = subprocess.run([sys.executable, "-c", _SERVER_ARGS_ON_CUDA, case], capture_output=True, text=True,
                               timeout=300, env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        received[case], stderr[case] = json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+        received.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        stderr[case] = proc.stderr
     assert "pruning does not engage on CUDA" in stderr["default"]
     for who in ("launcher", "engine"):
         # the default: exactly what stock SGLang runs with (its backend, its prefill graphs, its page size) ...

@@ -27,7 +27,7 @@ from tests.load_client import CHAT, LONG_PROMPT, nothing_held, serves, wait_unti
 
 pytestmark = pytest.mark.server
 
-FUZZ_BODIES = 60
+FUZZ_BODIES = 40
 SLOW_FUZZ_BODIES = 400
 TIMEOUT_S = 60  # a body still running then is abandoned (SGLang aborts a request whose client left)
 
