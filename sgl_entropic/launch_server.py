@@ -134,7 +134,7 @@ def map_pruning_flags(rest: list[str], config: EntropicConfig,
         config, updates = pruning_args(config, _given(rest, PRUNING_FIELDS), _device(rest), spell_flag)
     except ValueError as err:
         parser.error(str(err))
-    if config.mode in ("pruning", "full") and not config.pruning.engaged:
+    if not config.pruning.engaged:  # pruning_args: mode full on CUDA, where the crossover rule never prunes
         print("sgl-entropic: pruning does not engage on CUDA with the two-stage selection (docs/gpu.md); SGLang's "
               "attention backend, prefill CUDA graphs and KV pool stay as stock has them", file=sys.stderr)
     return rest + _as_flags(updates), config

@@ -12,7 +12,8 @@ import torch
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.plugin import runtime, sampling_step, speculation
-from sgl_entropic.plugin.sampling_step import TOKEN_KEYS, finish_pending
+from sgl_entropic.plugin.meta_info import TRACE_KEYS
+from sgl_entropic.plugin.sampling_step import finish_pending
 from tests.stepping import Stepper
 
 V = 32
@@ -49,7 +50,7 @@ def sample(rt, reqs, sampler, logit_rows=None):
 
 
 def assert_aligned(req, speculative: bool = False) -> None:
-    keys = TOKEN_KEYS + (("drafted", "accepted") if speculative else ()) + ("_entropic_time", "_entropic_efficiency")
+    keys = TRACE_KEYS + (("drafted", "accepted") if speculative else ()) + ("_entropic_time", "_entropic_efficiency")
     lengths = {k: len(req.customized_info[k]) for k in keys}
     assert set(lengths.values()) == {len(req.output_ids)}, (lengths, len(req.output_ids))
 

@@ -116,7 +116,8 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         cap = min(config.context_len, model_runner.token_to_kv_pool.size)
         contexts = [n for n in CONTEXTS if n <= cap]
         layers = len(self.planner.full_layers)  # sliding-window layers run SGLang's code either way
-        path = timings_file(timings_dir(), probe_key(shape, layers, contexts, cfg))
+        key = probe_key(shape, layers, contexts, cfg)
+        path = timings_file(timings_dir(), key)
         kept = load_timings(path)
         measured = dict(kept)
         if cfg.dense_kernel_from is None:
@@ -136,12 +137,13 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
             found = crossover(timings)
             self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
                                                       config.context_len + 1})
-        if measured.keys() != kept.keys():
-            save_timings(path, probe_key(shape, layers, contexts, cfg), measured)
+        timed_now = measured.keys() != kept.keys()
+        if timed_now:
+            save_timings(path, key, measured)
         logger.info("sgl-entropic: pruning from %s tokens, our kernel over every page from %s (%s %s; ms per step, "
                     "context: SGLang's loop / ours over every page / ours pruned: %s)",
                     self.planner.cfg.min_context, from_ if from_ is not None else "no measured context",
-                    "timed now, kept in" if measured.keys() != kept.keys() else "as timed before, in", path,
+                    "timed now, kept in" if timed_now else "as timed before, in", path,
                     ", ".join(f"{k.context}: {k.dense_s * 1e3:.1f}/{k.sparse_s * 1e3:.1f}/"
                               + (f"{t.sparse_s * 1e3:.1f}" if t else "-")
                               for k, t in itertools.zip_longest(kernel_timings, timings)))

@@ -23,6 +23,7 @@ import torch
 
 from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.meta_info import TRACE_KEYS
 from sgl_entropic.plugin.runtime import RequestState, Runtime
 from sgl_entropic.sampling import ControllerBatch, MirostatBatch
 from sgl_entropic.signal import Scratch, TokenStats, token_stats
@@ -228,8 +229,6 @@ def committed_tokens(req, n: int) -> int:
     return max(1, min(n, left)) if left > 0 else n
 
 
-TOKEN_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
-DRAFT_KEYS = tuple(NO_DRAFT)
 
 
 def token_count(req) -> int:
@@ -241,7 +240,7 @@ def pad_tokens(rt: Runtime, req, state: RequestState, length: int) -> None:
     """Every per-token list of `req` filled up to `length` values: null where a value could not be computed, the
     cumulative ones at the trace's value."""
     info = req.customized_info = req.customized_info if req.customized_info is not None else {}
-    keys = TOKEN_KEYS + (DRAFT_KEYS if rt.config.speculative_on else ())
+    keys = TRACE_KEYS + (tuple(NO_DRAFT) if rt.config.speculative_on else ())
     fill = {**dict.fromkeys(keys), "_entropic_time": state.trace.tau, "_entropic_efficiency": state.trace.efficiency}
     for key, value in fill.items():
         values = info.setdefault(key, [])

@@ -44,6 +44,7 @@ class VerifyStep:
     offers: list[int]  # drafts each row's trie match offered
     parent: torch.Tensor  # [bs, W] each node's parent (-1: the root), on the model's device
     first_draft: np.ndarray  # [bs] each row's first offered draft, verified or not (draft_trials)
+    exact: list[int] = field(default_factory=list)  # rows with penalties: only their root can be accepted
     seconds: float = 0.0  # the whole step, draft preparation to verification
 
     @property
@@ -113,8 +114,8 @@ def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
     worker.draft_token_num = full  # the corpus returns full-width trees
     drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
-    # a row with penalties verifies no drafts (verify(): only its root can be accepted)
-    offers = [0 if p else k for p, k in zip(penalized(batch.reqs), offered_drafts(drafts, mask).tolist())]
+    exact = [i for i, p in enumerate(penalized(batch.reqs)) if p]  # verify no drafts (verify(): the root only)
+    offers = [0 if i in exact else k for i, k in enumerate(offered_drafts(drafts, mask).tolist())]
     states = [getattr(r, "entropic", None) for r in batch.reqs]
     prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
@@ -124,7 +125,7 @@ def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
     mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
     parents = torch.from_numpy(tree_parents(mask.numpy()))
     spec.step = VerifyStep(width, offers, parents if torch.device(device).type == "cpu"
-                           else parents.pin_memory().to(device, non_blocking=True), first_draft)
+                           else parents.pin_memory().to(device, non_blocking=True), first_draft, exact)
 
     def build():  # SGLang's own steps, at `width`
         tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
@@ -192,16 +193,22 @@ def around_eagle_sample(original, verify_input, batch, logits_output, grammar_ma
     rt = runtime.current()
     if not isinstance(verify_input, NgramVerifyInput) or batch.forward_mode.is_idle():
         return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
+    # A fault in our work costs the step its control or its trace, never the scheduler; without a plan of ours
+    # (the draft rule's verify batch failed) SGLang's verification serves the step. Either way its committed
+    # tokens get null trace values.
     step = rt.speculation.step if rt.speculation is not None else None
     result = None
     if step is not None:
         try:
             result, make_record = verify(rt, step, verify_input, batch, logits_output.next_token_logits, grammar_mask)
-            rt.pending.append(make_record())
-            return result
-        except Exception:  # a fault in our work costs the step its control or its trace, never the scheduler
-            rt.fault("the verify step's signal" if result is not None else
-                     "verification under the controller (SGLang's verification served the step)")
+        except Exception:
+            rt.fault("verification under the controller (SGLang's verification served the step)")
+        else:
+            try:
+                rt.pending.append(make_record())
+                return result
+            except Exception:
+                rt.fault("the verify step's signal")
     if result is None:
         result = original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
     rt.pending.append(NullRecord(verify_rows(batch), committed=result[1]))  # (predict, accept_lens, accept_index)
@@ -274,10 +281,9 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
             simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
             target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
         candidates = verify_input.draft_token.view(bs, width)
-        exact = [i for i, p in enumerate(penalized(batch.reqs)) if p]
-        if exact and width > 1:  # no draft of theirs can match: their root's token alone is committed
+        if step.exact and width > 1:  # no draft of theirs can match: their root's token alone is committed
             candidates = candidates.clone()
-            candidates[to_device(exact, candidates.device), 1:] = -1
+            candidates[to_device(step.exact, candidates.device), 1:] = -1
         predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
         accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
         num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
@@ -361,18 +367,19 @@ class VerifyRecord:
     step: VerifyStep
     tally: StepTally = field(default_factory=StepTally)
 
+    @functools.cached_property
     def accepted(self) -> list[int]:
-        """Drafts each row accepted (its committed tokens, less the one the root always gives)."""
+        """Drafts each row accepted (its committed tokens, less the one the root always gives); read once."""
         if self.ready is not None:
             self.ready.synchronize()
         return [int(sum(c)) - 1 for c in self.host[4].tolist()]
 
     def tokens(self) -> list[int]:
         return [committed_tokens(r, a + 1) if s is not None else 0
-                for r, s, a in zip(self.rows.reqs, self.rows.states, self.accepted())]
+                for r, s, a in zip(self.rows.reqs, self.rows.states, self.accepted)]
 
     def finish(self, rt: Runtime) -> None:
-        accepted, counts = self.accepted(), self.tokens()
+        accepted, counts = self.accepted, self.tokens()
         entropy, surprisal, valid, used_t, _, token = self.host.tolist()
         step, spec, drafted = self.step, rt.speculation, self.step.drafted
         tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(),
