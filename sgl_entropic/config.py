@@ -190,6 +190,10 @@ class SpeculativeConfig(_Section):
         "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H) and the "
         "request's own draft hit rate); unset: entropy, or acceptance with --tp-size > 1 (the entropy rule times "
         "its steps on each rank)")
+    drafts: Literal["request", "server"] = Field(
+        "request", description="where drafts come from: request (each request's own n-gram trie over its prompt and "
+        "output: its output never depends on what the server served before), server (SGLang's trie shared by every "
+        "request's recent tokens)")
 
 
 class EntropicConfig(_Section):

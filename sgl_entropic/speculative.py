@@ -6,23 +6,25 @@ Torch and numpy (for the host's small per-step arrays); nothing here imports sgl
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
 All rows of a verify batch share one width W (SGLang's layout), so a step costs T(rows x W) and commits, per row,
-its bonus token plus the drafts accepted in a row. A rule picks W per step:
+its bonus token plus the drafts accepted in a row; a step at width 1 runs the plain decode step instead, as
+without speculation (`plugin/speculation.py`). A rule picks W per step:
 
 * ``fixed``: the server's maximum, every step (SGLang's own behaviour);
 * ``matched``: 1 + the most drafts any row's trie match offers (never verifies padding);
 * ``acceptance``: SGLang's adaptive rule (`adaptive_spec_params.AdaptiveStepSlot`) on NGRAM: an EMA of the
   accepted drafts per row and step, W - 1 = round(EMA) + 1 (probe one beyond what was accepted);
 * ``entropy``: the W that maximises the expected committed tokens per second,
-  sum_rows E_r(W) / T(rows x W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j, a_r = min(exp(-H_r), q_r).
+  sum_rows E_r(W) / T(W), with E_r(W) = sum_{j < min(W, 1 + offer_r)} a_r^j, a_r = min(exp(-H_r), q_r).
   exp(-H_r) is a lower bound on the probability of the model's most likely token (Shannon entropy >=
   min-entropy), H_r the mean entropy of the tokens row r committed in its last step: where the drafts copy
   what the model would say, each is accepted with at least that chance. q_r, the request's own rate of
-  accepted drafts (`DraftHits`, starting from the server's recent rate), caps it where they do not (open chat:
-  a sure model, a trie guessing wrong). A row that verifies no drafts still checks its trie's first draft
-  against the token it committed (`draft_trials`), so its rate keeps following the text.
-  Where the model is unsure its drafts are short or none, whatever the trie offers. T is this server's own
-  measured verify-step time for a forward over that many tokens (`StepTimes`). Nothing in the rule is tuned to a
-  prompt.
+  accepted drafts (`DraftHits`), caps it where they do not (open chat: a sure model, a trie guessing wrong). A
+  row that verifies no drafts still checks its trie's first draft against the token it committed
+  (`draft_trials`), so its rate keeps following the text. Where the model is unsure its drafts are short or
+  none, whatever the trie offers. T is a step's price in this machine's cost table (`StepCosts`, measured once
+  and kept), W = 1 the plain decode step, which a wider step must beat by `PLAIN_MARGIN`. Nothing in the rule
+  follows the wall clock or other requests: a request served alone gets the same widths, hence the same
+  forwards and the same output, on every run. Nothing in it is tuned to a prompt.
 
 Every rule caps a row's drafts at what its trie match offers, and rows fill the step's width with their own
 drafts (a shorter row would cost the same padded slots).
@@ -78,75 +80,83 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
     return np.where(ancestors, node, -1).max(-1)
 
 
-@dataclass
-class StepTimes:
-    """This server's verify-step time by the tokens the forward runs (rows x width): an EMA per token count.
+# A verify step must promise this much more committed tokens per second than the plain decode step it replaces:
+# the cost table prices the forwards' GEMMs and attention, not the verify step's host work (tree, verification).
+PLAIN_MARGIN = 0.1
 
-    Measured, not modelled: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x one row's (a matrix-vector pass per
-    row) and more than 4-8 rows' (a real GEMM), while bf16 ones with AVX-512 stay within 1.3x up to 8 rows; a line
-    through the steps priced drafts wrongly on one or the other. Keyed by tokens, the GEMMs' M, so that every row
-    count shares what any measured (4 rows at width 2 and 8 rows at width 1 run the same GEMMs; per-row attention
-    differs little next to them): under load the batch's row count keeps changing, and a price per (rows, width)
-    left most row counts unmeasured, hence free. Between measured counts the price is interpolated; past the
-    largest it is that one's (a wider step is free until a step shows its price, so the rule tries it once). A count
-    not measured in the last `horizon` steps is forgotten: the context grows, and a count priced long ago is tried
-    again.
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear in `xs`, extended past the last point along the last segment (GEMMs and attention grow
+    linearly once compute-bound)."""
+    if len(xs) == 1 or x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + max(slope, 0.0) * (x - xs[-1]))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a decode step costs on this machine, in seconds: a table measured once per machine, model and dtype and
+    kept (`plugin/step_costs.py`), so that the draft width never follows the load of the moment.
+
+    A forward over n tokens costs the model's GEMMs at n rows (its linear layers, the LM head, one pass over the
+    vocabulary: `tokens` -> `gemm`), plus each row's attention over its context at the step's width (`attention`,
+    timed at `widths` (1 and the widest), linear between; a plain decode step's is width 1's, the same gather of
+    the row's keys for one query). Measured, not modelled from FLOPs: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x
+    one row's while bf16 ones with AVX-512 stay within 1.3x up to 8 rows (benchmarks/small_gemm.py).
     """
 
-    alpha: float = 0.3
-    horizon: int = 256
-    cells: dict[int, tuple[float, int]] = field(default_factory=dict)  # tokens -> (seconds, step measured)
-    steps: int = 0
+    tokens: tuple[int, ...] = ()
+    gemm: tuple[float, ...] = ()
+    contexts: tuple[int, ...] = ()
+    widths: tuple[int, int] = (1, 1)
+    attention: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # [width][context], one row, every layer
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        self.steps += 1
-        tokens = rows * width
-        old = self.cells.get(tokens)
-        ema = seconds if old is None or self.steps - old[1] > self.horizon else \
-            (1 - self.alpha) * old[0] + self.alpha * seconds
-        self.cells[tokens] = (ema, self.steps)
+    @property
+    def measured(self) -> bool:
+        return bool(self.tokens)
 
-    def measured(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, seconds) measured within the horizon, fewest first."""
-        fresh = sorted((n, t) for n, (t, at) in self.cells.items() if self.steps - at <= self.horizon)
-        return np.array([n for n, _ in fresh], dtype=float), np.array([t for _, t in fresh])
+    def forward(self, tokens: int) -> float:
+        return _interp(tokens, self.tokens, self.gemm)
 
-    def seconds(self, rows: int, widths: np.ndarray) -> np.ndarray:
-        """A step's price at each width for `rows` rows; zeros while nothing is measured."""
-        xs, ys = self.measured()
-        if len(xs) == 0:
-            return np.zeros(len(widths))
-        return np.interp(rows * np.asarray(widths, dtype=float), xs, ys)
+    def plain(self, contexts: Sequence[int]) -> float:
+        """A plain decode step of rows at these context lengths."""
+        return self.verify(contexts, 1)
 
-    def table(self) -> dict[str, float]:
-        """`/server_info`: the fresh prices, tokens per verify forward -> seconds."""
-        return {str(int(n)): float(t) for n, t in zip(*self.measured())}
+    def verify(self, contexts: Sequence[int], width: int) -> float:
+        """A verify step of rows at these context lengths, `width` nodes each."""
+        lo, hi = self.widths
+        share = 0.0 if hi == lo else (width - lo) / (hi - lo)
+        attention = sum((1 - share) * _interp(n, self.contexts, self.attention[0])
+                        + share * _interp(n, self.contexts, self.attention[1]) for n in contexts)
+        return self.forward(len(contexts) * width) + attention
+
+    def table(self) -> dict:
+        """`/server_info`: the table, in milliseconds."""
+        ms = lambda xs: [round(x * 1e3, 4) for x in xs]  # noqa: E731
+        return {"tokens": list(self.tokens), "gemm_ms": ms(self.gemm), "contexts": list(self.contexts),
+                "attention_widths": list(self.widths), "attention_ms": [ms(v) for v in self.attention]}
 
 
 @dataclass
 class DraftHits:
-    """Verified drafts: every draft position verification tried is a trial (a row's run ends at its first
-    rejection; positions past it are not tried), decayed per step so that the rate follows the text. One per
-    request, and one for the server, pooled over its requests."""
+    """A request's verified drafts: every draft position verification tried is a trial (a row's run ends at its
+    first rejection; positions past it are not tried), decayed per step so that the rate follows the text. Its
+    own record only: a width that followed other requests' drafts would give the same request different output
+    depending on what the server served before it."""
 
     hits: float = 0.0
     trials: float = 0.0
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.observe_step([drafted], [accepted])
+        if drafted > 0:
+            self.hits = HITS_DECAY * self.hits + accepted
+            self.trials = HITS_DECAY * self.trials + accepted + (accepted < drafted)
 
-    def observe_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
-        """One verify step's rows (the server's record: one decay a step, whatever the batch)."""
-        tried = [(d, a) for d, a in zip(drafted, accepted) if d > 0]
-        if tried:
-            self.hits = HITS_DECAY * self.hits + sum(a for _, a in tried)
-            self.trials = HITS_DECAY * self.trials + sum(a + (a < d) for d, a in tried)
-
-    def rate(self, prior: float = 1.0) -> float:
-        """Accepted per tried, with one trial's worth of `prior`: a request starts at what the server's
-        requests have lately seen (1, optimistic, for the server's own record), and a few of its own misses
-        or hits outweigh it, so short drafts, which try little, do not keep the rate low by themselves."""
-        return (self.hits + prior) / (self.trials + 1.0)
+    def rate(self) -> float:
+        """Accepted per tried, with one optimistic trial to start from: a few of the request's own misses or hits
+        outweigh it, so short drafts, which try little, do not keep the rate low by themselves."""
+        return (self.hits + 1.0) / (self.trials + 1.0)
 
 
 def draft_trials(drafted: Sequence[int], accepted: Sequence[int], offers: Sequence[int],
@@ -162,25 +172,31 @@ def draft_trials(drafted: Sequence[int], accepted: Sequence[int], offers: Sequen
     return tried, right
 
 
-def draft_acceptance(entropy: Optional[float], hits: DraftHits, prior: float = 1.0) -> float:
-    """a_r = min(exp(-H_r), q_r) (module docstring), q_r the request's rate with `prior` (the server's rate,
-    `DraftSizer.hits.rate()`) as its start; a row with no measured entropy yet counts as sure."""
+def draft_acceptance(entropy: Optional[float], hits: DraftHits) -> float:
+    """a_r = min(exp(-H_r), q_r) (module docstring); a row with no measured entropy yet counts as sure."""
     sure = 1.0 if entropy is None or not math.isfinite(entropy) else math.exp(-max(entropy, 0.0))
-    return min(sure, hits.rate(prior))
+    return min(sure, hits.rate())
 
 
-def entropy_width(offers: Sequence[int], acceptance: Sequence[float], times: StepTimes) -> int:
-    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(rows x W) (ties: the narrower), with
-    E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`)."""
-    rows = len(offers)
+def entropy_width(offers: Sequence[int], acceptance: Sequence[float], costs: StepCosts, contexts: Sequence[int],
+                  plain: bool = True, margin: float = PLAIN_MARGIN) -> int:
+    """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(W) (ties: the narrower), with
+    E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`) and T the
+    step's price in `costs` for rows at `contexts`. Width 1 is the plain decode step where `plain` (else a verify
+    over one token); a wider one must beat it by `margin`. Without a cost table: every draft offered."""
     acceptance = np.asarray(acceptance, dtype=float)
     depth = np.arange(1 + max(offers, default=0))[:, None]  # a width W verifies depths 0 .. W - 1
     terms = np.where(depth <= np.asarray(offers)[None, :], acceptance[None, :] ** depth, 0.0)  # [widths, rows]
     committed = terms.cumsum(0).sum(1)
     widths = depth[:, 0] + 1
-    cost = times.seconds(rows, widths)
-    rate = committed / cost if cost[0] > 0 else committed  # no timing yet: the most tokens
-    return int(widths[np.flatnonzero(rate >= rate.max() * (1 - 1e-9))[0]])
+    if not costs.measured:
+        return int(widths[np.flatnonzero(committed >= committed.max() * (1 - 1e-9))[0]])
+    cost = np.array([costs.plain(contexts) if w == 1 and plain else costs.verify(contexts, int(w)) for w in widths])
+    rate = committed / cost
+    if len(widths) == 1:
+        return 1
+    best = 1 + int(np.flatnonzero(rate[1:] >= rate[1:].max() * (1 - 1e-9))[0])
+    return int(widths[best]) if rate[best] >= (1 + margin) * rate[0] else 1
 
 
 @dataclass
@@ -189,13 +205,14 @@ class DraftSizer:
 
     rule: Rule
     max_width: int  # SGLang's speculative_num_draft_tokens: nodes per row, the root included
-    times: StepTimes
+    costs: StepCosts = field(default_factory=StepCosts)
     accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
-    hits: DraftHits = field(default_factory=DraftHits)  # entropy rule: the server's drafts, every request's
 
-    def width(self, offers: Sequence[int], acceptance: Sequence[float]) -> int:
+    def width(self, offers: Sequence[int], acceptance: Sequence[float], contexts: Sequence[int],
+              plain: bool = True) -> int:
         """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers, `acceptance`
-        each row's expected chance per draft (the entropy rule's a_r)."""
+        each row's expected chance per draft (the entropy rule's a_r), `contexts` the rows' lengths, `plain`
+        whether width 1 runs the plain decode step."""
         most = 1 + max(offers, default=0)
         if self.rule == "fixed":
             return self.max_width
@@ -204,14 +221,11 @@ class DraftSizer:
         if self.rule == "acceptance":
             ema = self.max_width - 2 if self.accepted_ema is None else self.accepted_ema  # SGLang: steps - 1
             return min(most, self.max_width, 2 + round(max(ema, 0.0)))
-        return min(entropy_width(offers, acceptance, self.times), self.max_width)
+        return min(entropy_width(offers, acceptance, self.costs, contexts, plain), self.max_width)
 
-    def observe(self, width: int, rows: int, seconds: float, drafted: Sequence[int], accepted: Sequence[int],
-                trials: Optional[tuple[Sequence[int], Sequence[int]]] = None) -> None:
-        """A verify step's outcome: its time, the drafts each row verified and accepted, and the draft record's
-        trials (`draft_trials`; default: the verified drafts)."""
-        self.times.observe(rows, width, seconds)
-        self.hits.observe_step(*(trials or (drafted, accepted)))
+    def observe(self, width: int, accepted: Sequence[int]) -> None:
+        """A verify step's outcome: the drafts each row accepted (the acceptance rule's EMA, SGLang's: the
+        server's, over every request)."""
         if accepted and width > 1:
             mean = sum(accepted) / len(accepted)
             a = ACCEPTANCE_EMA_ALPHA

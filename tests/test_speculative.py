@@ -13,8 +13,8 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (DraftHits, DraftSizer, StepTimes, draft_acceptance, draft_trials, entropy_width,
-                                      offered_drafts, tree_depths, tree_parents, tree_temperatures)
+from sgl_entropic.speculative import (PLAIN_MARGIN, DraftHits, DraftSizer, StepCosts, draft_acceptance, draft_trials,
+                                      entropy_width, offered_drafts, tree_depths, tree_parents, tree_temperatures)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
 
@@ -145,64 +145,38 @@ def test_the_padding_of_a_short_trie_match_is_not_a_draft():
     assert tree_parents(mask).tolist() == parent
 
 
-def test_step_times_price_each_width_as_measured_and_interpolate_between():
-    times = StepTimes()
-    price = {1: 0.10, 2: 0.20, 4: 0.22, 8: 0.24}  # fp32 on a CPU: 2 rows cost two passes, 4-8 one GEMM
-    for _ in range(20):
-        for width, seconds in price.items():
-            times.observe(1, width, seconds)
-    got = times.seconds(1, np.arange(1, 13))
-    assert got[[0, 1, 3, 7]] == pytest.approx([0.10, 0.20, 0.22, 0.24])
-    assert got[2] == pytest.approx(0.21)  # between 2 and 4
-    assert got[11] == pytest.approx(0.24)  # past the widest measured: as the widest (tried before it is priced)
-    # priced by the tokens a forward runs: 4 rows at width 2 run 8 tokens, as one row at width 8 did
-    assert times.seconds(4, np.array([1, 2])) == pytest.approx([0.22, 0.24])
-    assert times.seconds(3, np.array([1])) == pytest.approx([0.21])
-    times.observe(2, 1, 0.30)  # 2 tokens, whatever the rows
-    assert times.seconds(1, np.array([2]))[0] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)  # an EMA per token count
-    assert times.table()["2"] == pytest.approx(0.7 * 0.20 + 0.3 * 0.30)
+def table(t0: float, t_token: float, attention: tuple[float, float] = (0.0, 0.0), widest: int = 12) -> StepCosts:
+    """A cost table: a forward over n tokens t0 + t_token (n - 1); one row's attention over 1024 tokens
+    `attention` at width 1 and `widest` (proportional to the context)."""
+    tokens = (1, 2, 4, 8, 16, 32, 64)
+    contexts = (256, 1024, 4096)
+    return StepCosts(tokens, tuple(t0 + t_token * (n - 1) for n in tokens), contexts, (1, widest),
+                     tuple(tuple(a * n / 1024 for n in contexts) for a in attention))
 
 
-def test_a_row_count_never_seen_is_priced_by_the_others_not_free():
-    """Under load the rows change every few steps: a batch of 8 rows must not find width 4 free because only
-    6 and 7 rows were measured."""
-    times = StepTimes()
-    for rows in (6, 7):
-        for width in (1, 2, 3, 4):
-            times.observe(rows, width, 0.05 + 0.004 * rows * width)  # each verified token costs 4 ms
-    chat = sure_and_right(0.1, hits=3, misses=17)
-    assert entropy_width([3] * 8, [chat] * 8, times) == 1
-    assert times.seconds(8, np.array([3]))[0] == pytest.approx(0.05 + 0.004 * 24)
-
-
-def test_a_width_not_measured_for_a_while_is_forgotten_and_tried_again():
-    times = StepTimes(horizon=10)
-    times.observe(1, 8, 0.5)  # drafting was dear, early on
-    for _ in range(11):
-        times.observe(1, 1, 0.1)
-    assert times.measured()[0].tolist() == [1.0]
-    assert entropy_width([7], [0.5], times) == 8  # a wider step is free again until a step prices it
+def test_step_costs_price_forwards_by_tokens_and_attention_by_context_and_width():
+    costs = StepCosts((1, 2, 4, 8), (0.10, 0.20, 0.22, 0.24), (256, 1024), (1, 5), ((0.01, 0.04), (0.02, 0.08)))
+    assert costs.forward(3) == pytest.approx(0.21)  # between measured token counts
+    assert costs.forward(12) == pytest.approx(0.24 + 0.005 * 4)  # past the grid: along its last segment
+    assert costs.plain([1024]) == pytest.approx(0.10 + 0.04)
+    assert costs.plain([1024, 256]) == costs.verify([1024, 256], 1) == pytest.approx(0.20 + 0.05)
+    assert costs.verify([1024], 3) == pytest.approx(0.21 + 0.06)  # attention halfway between widths 1 and 5
+    assert costs.verify([2048], 5) == pytest.approx(0.225 + 0.16)  # attention along the contexts' last segment
+    assert costs.verify([256, 256], 4) == pytest.approx(0.24 + 2 * (0.25 * 0.01 + 0.75 * 0.02))
+    assert costs.table()["gemm_ms"] == [100.0, 200.0, 220.0, 240.0]
+    assert not StepCosts().measured
 
 
 def test_the_entropy_rule_stops_drafting_where_a_draft_costs_a_row_and_drafts_where_it_is_free():
     """The measured case of docs/speculative.md: the same chat-like acceptance on two machines' prices."""
-    fp32, bf16 = StepTimes(), StepTimes()
-    for width in range(1, 13):
-        fp32.observe(1, width, 0.1 * min(width, 3))  # a matrix-vector pass per row up to 3 rows
-        bf16.observe(1, width, 0.1 * (1 + 0.01 * (width - 1)))
-    chat = sure_and_right(0.1, hits=3, misses=17)  # a sure model, a trie mostly wrong
-    assert entropy_width([5], [chat], fp32) == 1
-    assert entropy_width([5], [chat], bf16) > 1
+    tokens = tuple(range(1, 13))
+    fp32 = StepCosts(tokens, tuple(0.1 * min(n, 3) for n in tokens), (1024,), (1, 12), ((0.0,), (0.0,)))
+    bf16 = StepCosts(tokens, tuple(0.1 * (1 + 0.01 * (n - 1)) for n in tokens), (1024,), (1, 12), ((0.0,), (0.0,)))
+    chat = sure_and_right(0.1, hits=6, misses=14)  # a sure model, a trie mostly wrong
+    assert entropy_width([5], [chat], fp32, [100]) == 1
+    assert entropy_width([5], [chat], bf16, [100]) > 1
     agent = sure_and_right(0.1, hits=45, misses=5)
-    assert entropy_width([11], [agent], fp32) == 12  # past 3 rows the step costs no more: every draft
-
-
-def fitted(t0: float, t_draft: float) -> StepTimes:
-    """Steps of one row measured at every width 1-10, t0 + t_draft per draft."""
-    times = StepTimes()
-    for width in range(1, 11):
-        times.observe(1, width, t0 + t_draft * (width - 1))
-    return times
+    assert entropy_width([11], [agent], fp32, [100]) == 12  # past 3 rows the step costs no more: every draft
 
 
 def sure_and_right(entropy: float, hits: float = 50.0, misses: float = 0.0) -> float:
@@ -211,26 +185,63 @@ def sure_and_right(entropy: float, hits: float = 50.0, misses: float = 0.0) -> f
 
 
 def test_the_entropy_rule_drafts_long_when_the_model_is_sure_and_not_at_all_when_it_is_not():
-    costly = fitted(0.1, 0.01)  # a verified token costs 10 % of a step
-    assert entropy_width([7], [sure_and_right(0.02)], costly) == 8  # sure: every draft the match offers
-    assert entropy_width([7], [sure_and_right(4.0)], costly) == 1  # unsure: exp(-4) = 0.018 < 0.1, no drafts
-    middle = entropy_width([7], [sure_and_right(0.7)], costly)
+    costly = table(0.1, 0.01)  # a verified token costs 10 % of a step
+    assert entropy_width([7], [sure_and_right(0.02)], costly, [50]) == 8  # sure: every draft the match offers
+    assert entropy_width([7], [sure_and_right(4.0)], costly, [50]) == 1  # unsure: exp(-4) = 0.018, no drafts
+    middle = entropy_width([7], [sure_and_right(0.7)], costly, [50])
     assert 1 < middle < 8
     # the width maximises the expected tokens per second, by brute force over the widths
     a = math.exp(-0.7)  # below the hit rate, 51 / 51
     best = max(range(1, 9), key=lambda w: sum(a ** j for j in range(w)) / (0.1 + 0.01 * (w - 1)))
     assert middle == best
-    # free verification (no evidence of a per-token cost yet): as wide as the matches go
-    assert entropy_width([3, 5], [sure_and_right(3.0)] * 2, StepTimes()) == 6
     # a batch: the rows' expected tokens share one step's cost
-    assert entropy_width([7, 7], [sure_and_right(0.02), sure_and_right(6.0)], costly) > \
-        entropy_width([7, 7], [sure_and_right(6.0)] * 2, costly)
+    assert entropy_width([7, 7], [sure_and_right(0.02), sure_and_right(6.0)], costly, [50, 50]) > \
+        entropy_width([7, 7], [sure_and_right(6.0)] * 2, costly, [50, 50])
 
 
-def test_a_sure_model_whose_drafts_keep_missing_stops_drafting():
+def test_without_a_cost_table_every_offered_draft_is_verified():
+    assert entropy_width([3, 5], [sure_and_right(3.0)] * 2, StepCosts(), [10, 10]) == 6
+
+
+def test_a_width_must_beat_the_plain_step_by_the_margin():
+    """Drafts that promise a few per cent more tokens per second than the plain step do not get a verify step: the
+    table leaves the verify step's host work out (PLAIN_MARGIN)."""
+    costs = table(0.1, 0.0)  # verification free in the table
+    slight = 0.05  # 5 % more tokens at width 2, the best width when a = 0.05 (deeper drafts add 0.25 %)
+    a = draft_acceptance(-math.log(slight), DraftHits())
+    assert entropy_width([1], [a], costs, [50], margin=0.0) == 2
+    assert entropy_width([1], [a], costs, [50]) == 1
+    assert PLAIN_MARGIN > slight
+    # without the plain step (logprobs, grammar, a GPU), width 1 is a verify step like the others
+    assert entropy_width([1], [a], costs, [50], plain=False) == 1
+
+
+def test_long_contexts_make_drafts_dear_where_a_verify_step_s_attention_grows_with_its_width():
+    """Summarization: a 4k-token article in the prompt, drafts that hit one time in three. Where a verify step's
+    extra queries cost attention over the whole article, the plain step wins; over a short context they draft."""
+    costs = table(0.1, 0.002, attention=(0.02, 0.2))  # over 1k tokens: a fifth of a step, 10x that at width 12
+    a = sure_and_right(0.1, hits=10, misses=20)
+    assert entropy_width([4], [a], costs, [200]) > 1
+    assert entropy_width([4], [a], costs, [4000]) == 1
+
+
+def test_a_request_s_width_does_not_depend_on_what_the_server_served_before():
+    """Determinism: the rule reads the request's own record, the step's rows and the fixed table; a server that
+    verified many other requests' drafts picks exactly what a fresh one does."""
+    fresh, busy = DraftSizer("entropy", 12, table(0.1, 0.02)), DraftSizer("entropy", 12, table(0.1, 0.02))
+    for accepted in ([0, 0, 1, 0], [5, 5, 5, 5], [0, 0, 0, 0]):
+        for _ in range(20):
+            busy.observe(12, accepted)
+    for record in (DraftHits(), DraftHits(hits=3, trials=4), DraftHits(hits=0, trials=5)):
+        for entropy in (None, 0.05, 0.6, 3.0):
+            acceptance = [draft_acceptance(entropy, record)]
+            assert busy.width([9], acceptance, [300]) == fresh.width([9], acceptance, [300])
+
+
+def test_a_request_s_own_misses_and_hits_move_its_rate():
     """Open chat: the model is sure of its next token, but the trie's guesses are not it."""
-    costly = fitted(0.1, 0.01)
-    assert entropy_width([7], [sure_and_right(0.1, hits=0, misses=20)], costly) == 1
+    costly = table(0.1, 0.01)
+    assert entropy_width([7], [sure_and_right(0.1, hits=0, misses=20)], costly, [50]) == 1
     hits = DraftHits()
     assert hits.rate() == 1.0  # no evidence yet: as sure as the model
     for _ in range(30):
@@ -239,19 +250,6 @@ def test_a_sure_model_whose_drafts_keep_missing_stops_drafting():
     for _ in range(30):
         hits.observe(drafted=4, accepted=4)  # a copy: every draft tried and right
     assert hits.rate() > 0.9
-
-
-def test_a_new_request_starts_from_the_server_s_recent_rate_and_its_own_evidence_outweighs_it():
-    sizer = DraftSizer("entropy", 12, fitted(0.1, 0.05))  # a draft costs half a step
-    for _ in range(30):
-        sizer.observe(12, 4, 0.2, [11] * 4, [0, 0, 1, 0])  # chat: the trie's guesses mostly wrong
-    fresh = DraftHits()
-    assert sizer.hits.rate() < 0.25
-    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits.rate())], sizer.times) == 1
-    assert entropy_width([9], [draft_acceptance(0.05, fresh)], sizer.times) > 1  # alone it would draft
-    for _ in range(3):
-        fresh.observe(drafted=4, accepted=4)  # this one copies its context: every draft right
-    assert entropy_width([9], [draft_acceptance(0.05, fresh, sizer.hits.rate())], sizer.times) > 1
 
 
 def test_a_row_that_verified_no_drafts_checks_its_first_draft_against_the_token_it_committed():
@@ -263,47 +261,40 @@ def test_a_row_that_verified_no_drafts_checks_its_first_draft_against_the_token_
 
 
 def test_a_request_that_stopped_drafting_drafts_again_once_its_trie_guesses_right():
-    """The document answer that starts to quote: its first drafts missed, so the rule verified none; the shadow
+    """The document answer that starts to quote: its first drafts missed, so the rule ran plain steps; the shadow
     trials (draft_trials) see the trie's first drafts come right, and the rule drafts again. With only the
     verified drafts as evidence (the record before shadow trials) it would never draft again."""
-    shadowed, blind = (DraftSizer("entropy", 12, fitted(0.1, 0.05)) for _ in range(2))
-    records = {id(shadowed): DraftHits(), id(blind): DraftHits()}
-
-    def width(sizer):
-        return sizer.width([4], [draft_acceptance(0.05, records[id(sizer)], sizer.hits.rate())])
-
-    for sizer in (shadowed, blind):
+    sizer = DraftSizer("entropy", 12, table(0.1, 0.05))
+    shadowed, blind = DraftHits(), DraftHits()
+    for record in (shadowed, blind):
         for _ in range(10):
-            records[id(sizer)].observe(drafted=4, accepted=0)
-            sizer.observe(5, 1, 0.3, [4], [0])
-        assert width(sizer) == 1
-    for _ in range(8):  # steps that verify no drafts; the root's token is the trie's first draft
+            record.observe(drafted=4, accepted=0)
+        assert sizer.width([4], [draft_acceptance(0.05, record)], [100]) == 1
+    for _ in range(8):  # plain steps; the root's token is the trie's first draft
         tried, right = draft_trials([0], [0], [4], [7], [7])
-        records[id(shadowed)].observe(tried[0], right[0])
-        shadowed.observe(1, 1, 0.1, [0], [0], (tried, right))
-        records[id(blind)].observe(drafted=0, accepted=0)
-        blind.observe(1, 1, 0.1, [0], [0])
-    assert width(shadowed) > 1
-    assert width(blind) == 1
+        shadowed.observe(tried[0], right[0])
+        blind.observe(drafted=0, accepted=0)
+    assert sizer.width([4], [draft_acceptance(0.05, shadowed)], [100]) > 1
+    assert sizer.width([4], [draft_acceptance(0.05, blind)], [100]) == 1
 
 
 def test_each_rule_caps_at_the_server_maximum_and_the_matches():
     for rule in ("matched", "acceptance", "entropy"):
-        sizer = DraftSizer(rule, 6, StepTimes())
-        assert sizer.width([2, 1], [1.0, 1.0]) <= 3
-        assert sizer.width([9, 9], [1.0, 1.0]) <= 6
-    assert DraftSizer("fixed", 6, StepTimes()).width([0, 0], [1.0, 1.0]) == 6  # SGLang's: always the maximum
-    assert DraftSizer("matched", 6, StepTimes()).width([2, 4], [0.0, 0.0]) == 5
+        sizer = DraftSizer(rule, 6, table(0.1, 0.0))
+        assert sizer.width([2, 1], [1.0, 1.0], [10, 10]) <= 3
+        assert sizer.width([9, 9], [1.0, 1.0], [10, 10]) <= 6
+    assert DraftSizer("fixed", 6).width([0, 0], [1.0, 1.0], [10, 10]) == 6  # SGLang's: always the maximum
+    assert DraftSizer("matched", 6).width([2, 4], [0.0, 0.0], [10, 10]) == 5
 
 
 def test_the_acceptance_rule_is_sglang_s_adaptive_formula():
-    sizer = DraftSizer("acceptance", 12, StepTimes())
-    assert sizer.width([11], [1.0]) == 12  # SGLang starts its EMA at steps - 1: the maximum
+    sizer = DraftSizer("acceptance", 12)
+    assert sizer.width([11], [1.0], [10]) == 12  # SGLang starts its EMA at steps - 1: the maximum
     for _ in range(40):
-        width = sizer.width([11], [1.0])
-        sizer.observe(width, 1, 0.1, [width - 1], [1])  # one draft accepted every step
+        width = sizer.width([11], [1.0], [10])
+        sizer.observe(width, [1])  # one draft accepted every step
     assert sizer.accepted_ema == pytest.approx(1.0, abs=1e-3)
-    assert sizer.width([11], [1.0]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
+    assert sizer.width([11], [1.0], [10]) == 1 + round(1.0) + 1  # round(EMA) + 1 drafts, the root besides
 
 
 def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():

@@ -105,11 +105,12 @@ def hook_table(config: EntropicConfig, times: Optional[timing.HookTimes] = None)
         if config.pruning.selector == "surprisal":  # its prompt scores, from the model's logits
             table.append(Hook(S + "layers.logits_processor.LogitsProcessor.forward", "around",
                               attention.around_logits_forward, "scheduler"))
-    if config.speculative_on:  # NGRAM: the step's width, verification under the controller (speculation.py)
+    if config.speculative_on:  # NGRAM: its cost table, the step's width (plain at 1), verification (speculation.py)
         from sgl_entropic.plugin import speculation
 
         worker = S + "speculative.ngram_worker.NGRAMWorker."
         table += [
+            Hook(worker + "alloc_memory_pool", "after", speculation.after_alloc_memory_pool, "scheduler"),
             Hook(worker + "_prepare_for_speculative_decoding", "around",
                  speculation.around_prepare_for_speculative_decoding, "scheduler"),
             Hook(worker + "forward_batch_generation", "around", speculation.around_forward_batch_generation,

@@ -199,7 +199,8 @@ class PendingRecord:
             cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction), self.seq_lens[i])
             record_token(rt, self.rows.reqs[i], state, tally, entropy[i], surprisal[i], valid[i] > 0, used_t[i], cost,
                          parked=self.parked[i], attended=fraction, decode=self.rows.decode,
-                         **(NO_DRAFT if rt.config.speculative_on else {}))
+                         **(({"drafted": 0, "accepted": 0} if self.rows.decode else NO_DRAFT)  # a plain step
+                            if rt.config.speculative_on else {}))
             state.last_step_entropy = entropy[i] if valid[i] > 0 else None
         tally.report(rt)
 

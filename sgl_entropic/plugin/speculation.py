@@ -1,14 +1,16 @@
 """SGLang's NGRAM speculative decoding under the loops, in the scheduler process.
 
-Three hooks on SGLang's NGRAM worker (`speculative/ngram_worker.py`):
-  - `_prepare_for_speculative_decoding`: the same verify batch SGLang builds, at the width the server's rule
-    picks for this step (`sgl_entropic.speculative.DraftSizer`) instead of always the maximum;
+Four hooks on SGLang's NGRAM worker (`speculative/ngram_worker.py`):
+  - `alloc_memory_pool` (start-up): the draft rule's cost table, kept per machine (`step_costs.py`);
+  - `forward_batch_generation`: each decode step planned (the trie's drafts, the width the server's rule picks:
+    `sgl_entropic.speculative.DraftSizer`); at width 1 the plain decode step (`plain_step`: what a server without
+    speculation runs), else SGLang's verify step at that width, its output in SGLang's full-width layout;
+  - `_prepare_for_speculative_decoding`: the same verify batch SGLang builds, at the planned width instead of
+    always the maximum;
   - `eagle_sample` (NGRAM's verification): every node is sampled from the distribution sequential decoding
     would sample there (the request's temperature, top-k/top-p/min-p and seed; the zero-lag controller along
     the node's path), and the drafts that match are accepted (greedy: the argmax, as SGLang does). SGLang's
-    own verify never applies the controller and on CPU always commits the argmax;
-  - `forward_batch_generation`: the step's time (the entropy rule's cost model); its output in SGLang's
-    full-width layout.
+    own verify never applies the controller and on CPU always commits the argmax.
 Every committed token then gets its entropy, surprisal and temperature from the verify logits, and its trace
 the step's real work: a verify over W nodes costs W tokens' compute, charged on the step's first token.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,20 +33,24 @@ from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, 
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
 from sgl_entropic.transfer import to_device
-from sgl_entropic.speculative import (DraftSizer, StepTimes, draft_acceptance, draft_trials, offered_drafts,
+from sgl_entropic.plugin.drafts import RequestTries
+from sgl_entropic.plugin.step_costs import load_or_measure
+from sgl_entropic.speculative import (DraftSizer, StepCosts, draft_acceptance, draft_trials, offered_drafts,
                                       tree_parents, tree_temperatures)
 
 
 @dataclass
 class VerifyStep:
-    """One verify step's plan, from draft preparation to the record of its result."""
+    """One decode step's plan, from the trie's drafts to the record of its result."""
 
-    width: int  # nodes per row, the root included
+    width: int  # nodes per row, the root included; 1 with `plain`: the plain decode step
     offers: list[int]  # drafts each row's trie match offered
-    parent: torch.Tensor  # [bs, W] each node's parent (-1: the root), on the model's device
+    drafts: np.ndarray  # [bs, W] the trie's tree at the step's width (node 0: each row's last committed token)
+    mask: np.ndarray  # [bs, W, W]
     first_draft: np.ndarray  # [bs] each row's first offered draft, verified or not (draft_trials)
+    plain: bool = False  # width 1 on the plain decode path (plain_step)
     exact: list[int] = field(default_factory=list)  # rows with penalties: only their root can be accepted
-    seconds: float = 0.0  # the whole step, draft preparation to verification
+    parent: Optional[torch.Tensor] = None  # [bs, W] each node's parent (-1: the root), on the model's device
 
     @property
     def drafted(self) -> list[int]:
@@ -57,9 +62,11 @@ class Speculation:
     """The server's speculative state: the rule's memory and what it reports."""
 
     sizer: DraftSizer
-    step: Optional[VerifyStep] = None  # the step being run (prepare -> verify -> its end)
+    tries: Optional[RequestTries] = None  # speculative.drafts 'request': each request's own trie; else SGLang's
+    step: Optional[VerifyStep] = None  # the step being run (plan -> verify -> its end)
     sampler: object = None  # the model runner's Sampler, which samples every node
     steps: int = 0
+    plain_steps: int = 0  # decode steps the rule ran plain (width 1, no verify forward)
     rows: int = 0  # row-steps
     verified: int = 0  # tokens the verify forwards ran (rows * W)
     drafted: int = 0
@@ -71,61 +78,113 @@ class Speculation:
     def summary(self) -> dict:
         """`/server_info` -> internal_states[i].entropic.speculative."""
         per = lambda x, n: x / n if n else None  # noqa: E731
-        return {"rule": self.sizer.rule, "max_width": self.sizer.max_width, "verify_steps": self.steps,
+        return {"rule": self.sizer.rule, "drafts": "server" if self.tries is None else "request",
+                "max_width": self.sizer.max_width, "verify_steps": self.steps,
+                "plain_steps": self.plain_steps,
                 "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
                 "accepted_per_row_step": per(self.accepted, self.rows),
                 "verified_per_committed_token": per(self.verified, self.committed),
-                "step_seconds": self.sizer.times.table(),
-                "totals": {"verify_steps": self.steps, "rows": self.rows, "verified": self.verified,
-                           "drafted": self.drafted, "accepted": self.accepted, "committed": self.committed,
-                           "shadow_tried": self.shadow_tried, "shadow_right": self.shadow_right}}
+                "step_costs": self.sizer.costs.table(),
+                "totals": {"verify_steps": self.steps, "plain_steps": self.plain_steps, "rows": self.rows,
+                           "verified": self.verified, "drafted": self.drafted, "accepted": self.accepted,
+                           "committed": self.committed, "shadow_tried": self.shadow_tried,
+                           "shadow_right": self.shadow_right}}
 
 
-def speculation(rt: Runtime, worker) -> Speculation:
-    if rt.speculation is None:
-        cfg = rt.config.speculative
-        rt.speculation = Speculation(DraftSizer(cfg.draft, worker.speculative_num_draft_tokens, StepTimes()),
-                                     sampler=worker.model_runner.sampler)
-    return rt.speculation
+def after_alloc_memory_pool(result, worker, *args, **kwargs):
+    """At start-up, once the model and its KV pool exist: the server's speculative state and its cost table."""
+    rt = runtime.current()
+    rule, width = rt.config.speculative.draft, worker.speculative_num_draft_tokens
+    costs = StepCosts()
+    if rule == "entropy":
+        try:
+            costs = load_or_measure(worker.model_runner, width)
+        except Exception:  # the server serves; without a table the rule verifies every draft offered
+            rt.fault("the draft rule's cost table")
+    tries = RequestTries() if rt.config.speculative.drafts == "request" else None
+    rt.speculation = Speculation(DraftSizer(rule, width, costs), tries, sampler=worker.model_runner.sampler)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- hooks
 
 
-def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kwargs):
-    """SGLang's verify batch (`NGRAMWorker._prepare_for_speculative_decoding`), at this step's width."""
-    if not batch.forward_mode.is_decode():
-        return original(worker, batch, *args, **kwargs)
+def around_forward_batch_generation(original, worker, batch, *args, **kwargs):
+    """One NGRAM step: planned here (the trie's drafts, the rule's width); at width 1 the plain decode step, else
+    SGLang's verify step at that width (`around_prepare_for_speculative_decoding`), its output in SGLang's
+    full-width layout."""
     rt = runtime.current()
-    spec = speculation(rt, worker)
+    spec = rt.speculation
+    spec.step = None
+    if batch.forward_mode.is_decode() and batch.reqs:
+        try:
+            spec.step = plan(rt, spec, worker, batch)
+        except Exception:  # SGLang's own full-width step; its verification then records null values
+            rt.fault("the draft rule's plan")
+        if spec.step is not None and spec.step.plain:
+            try:
+                return plain_step(rt, spec, worker, batch, *args, **kwargs)
+            finally:
+                spec.step = None
     try:
-        return prepare(rt, spec, worker, batch)
+        result = original(worker, batch, *args, **kwargs)
+    finally:
+        worker.draft_token_num = spec.sizer.max_width
+        step, spec.step = spec.step, None
+        rt.rows = None  # a verify forward does not sample through ModelRunner.sample, which clears them
+    if step is not None:
+        widen(result, step.width, spec.sizer.max_width)
+    return result
+
+
+def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kwargs):
+    """SGLang's verify batch (`NGRAMWorker._prepare_for_speculative_decoding`), at the planned width."""
+    rt = runtime.current()
+    spec = rt.speculation
+    if not batch.forward_mode.is_decode() or spec.step is None:
+        return original(worker, batch, *args, **kwargs)
+    try:
+        return build_verify(rt, spec.step, worker, batch)
     except Exception:  # SGLang's own full-width step; its verification then records null values (around_eagle_sample)
         rt.fault("the draft rule's verify batch")
         spec.step, worker.draft_token_num = None, spec.sizer.max_width
         return original(worker, batch, *args, **kwargs)
 
 
-def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
-    """The verify batch SGLang's `_prepare_for_speculative_decoding` builds, at the width the rule picks."""
-    from sglang.srt.speculative import ngram_worker as nw
+def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
+    """This step's drafts (the trie's, as SGLang reads them) and the width the rule picks for them."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
 
-    bs, full, device = len(batch.reqs), spec.sizer.max_width, worker.device
+    bs, full = len(batch.reqs), spec.sizer.max_width
     worker.draft_token_num = full  # the corpus returns full-width trees
-    drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
+    if spec.tries is None:
+        drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
+    else:
+        drafts, mask = spec.tries.drafts(worker, batch)
+        worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     exact = [i for i, p in enumerate(penalized(batch.reqs)) if p]  # verify no drafts (verify(): the root only)
     offers = [0 if i in exact else k for i, k in enumerate(offered_drafts(drafts, mask).tolist())]
     states = [getattr(r, "entropic", None) for r in batch.reqs]
-    prior = spec.sizer.hits.rate()  # the server's recent rate, once a step
-    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts, prior) for s in states]
-    width = spec.sizer.width(offers, acceptance)
+    acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts) for s in states]
+    # the plain step where it serves the batch as plain decoding would: CPU (on CUDA the verify forward keeps its
+    # graphs), no logprobs or grammar (SGLang returns and constrains them per verified node), no recurrent state
+    plain = (torch.device(worker.device).type == "cpu" and not batch.return_logprob and not batch.has_grammar
+             and mambaish_config(worker.model_runner.model_config) is None)
+    width = spec.sizer.width(offers, acceptance, batch.seq_lens_cpu.tolist(), plain)
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
-    drafts = torch.from_numpy(np.ascontiguousarray(drafts[:, :width]))
-    mask = torch.from_numpy(np.ascontiguousarray(mask[:, :width, :width]))
-    parents = torch.from_numpy(tree_parents(mask.numpy()))
-    spec.step = VerifyStep(width, offers, parents if torch.device(device).type == "cpu"
-                           else parents.pin_memory().to(device, non_blocking=True), first_draft, exact)
+    return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
+                      np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1, exact)
+
+
+def build_verify(rt: Runtime, step: VerifyStep, worker, batch) -> None:
+    """The verify batch SGLang's `_prepare_for_speculative_decoding` builds, at the step's width."""
+    from sglang.srt.speculative import ngram_worker as nw
+
+    bs, width, device = len(batch.reqs), step.width, worker.device
+    drafts, mask = torch.from_numpy(step.drafts), torch.from_numpy(step.mask)
+    parents = torch.from_numpy(tree_parents(step.mask))
+    step.parent = parents if torch.device(device).type == "cpu" else parents.pin_memory().to(device, non_blocking=True)
 
     def build():  # SGLang's own steps, at `width`
         tree_mask = mask.reshape(-1).to(device=device, dtype=torch.bool)
@@ -154,22 +213,67 @@ def prepare(rt: Runtime, spec: "Speculation", worker, batch) -> None:
     worker.draft_token_num = width  # the rest of the step reads it (the mamba commit, the next draft input)
 
 
-def around_forward_batch_generation(original, worker, batch, *args, **kwargs):
-    """One NGRAM step: its time for the cost model, its output stride (the step's width), the width restored."""
-    rt = runtime.current()
-    spec = speculation(rt, worker)
-    spec.step = None
-    start = time.perf_counter()
+def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None, pp_proxy_tensors=None):
+    """The step a server without speculation runs: one token a row through the decode forward (the same
+    attention, pruning included, and sampling hooks), in the NGRAM worker's result layout. Where SGLang's NGRAM
+    step verifies node 0 alone it pays a verify forward, its tree bookkeeping and its verification instead."""
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+    from sglang.srt.speculative import ngram_worker as nw
+
+    step, bs, full, device = spec.step, len(batch.reqs), spec.sizer.max_width, worker.device
+    committed = batch.seq_lens  # SGLang's spec batches keep the committed length; decode counts the new token
+    kept = (batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum)
+
+    def prepare():  # node 0 of every row at its slot, as plain decoding's prepare_for_decode leaves the batch
+        batch.out_cache_loc = nw.assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=committed, end_offset=committed + 1, batch_size=bs, draft_token_num=1, device=device)
+        batch.input_ids = torch.from_numpy(step.drafts[:, 0].astype(np.int64)).to(device)
+        batch.seq_lens, batch.seq_lens_cpu = committed + 1, batch.seq_lens_cpu + 1
+        batch.orig_seq_lens, batch.seq_lens_sum = batch.orig_seq_lens + 1, None
+        batch.spec_info = None
+
+    rt.times.sglang(prepare)
     try:
-        result = original(worker, batch, *args, **kwargs)
+        result = worker.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
     finally:
-        worker.draft_token_num = spec.sizer.max_width
-        step, spec.step = spec.step, None
-        rt.rows = None  # a verify forward does not sample through ModelRunner.sample, which clears them
-    if step is not None:
-        step.seconds = time.perf_counter() - start
-        widen(result, step.width, spec.sizer.max_width)
-    return result
+        batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum = kept
+    predict = result.next_token_ids
+    new_seq_lens = committed + 1
+    accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
+    accept_tokens = torch.zeros(bs, full, dtype=torch.int32, device=device)
+    accept_tokens[:, 0] = predict
+    accept_tokens = accept_tokens.flatten()
+    if on_publish is not None:
+        on_publish(new_seq_lens)
+
+    def bookkeeping():  # SGLang's trie and its match state, as its step leaves them
+        worker._update_ngram_corpus(batch)
+        current = {req.rid for req in batch.reqs}
+        departed = worker._prev_decode_rids - current
+        if departed:
+            worker.ngram_corpus.erase_match_state(list(departed))
+        worker._prev_decode_rids = current
+
+    if spec.tries is None:
+        rt.times.sglang(bookkeeping)
+    try:  # each row's first offered draft against its token: the draft record follows the text (draft_trials)
+        tried, right = draft_trials([0] * bs, [0] * bs, step.offers, step.first_draft.tolist(), predict.tolist())
+        for req, t, r in zip(batch.reqs, tried, right):
+            state = getattr(req, "entropic", None)
+            if state is not None:
+                state.drafts.observe(t, r)
+        spec.plain_steps += 1
+        spec.shadow_tried += sum(tried)
+        spec.shadow_right += sum(right)
+    except Exception:
+        rt.fault("the plain step's draft record")
+    return GenerationBatchResult(
+        logits_output=result.logits_output, next_token_ids=accept_tokens,
+        can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+        next_draft_input=nw.NgramVerifyInput(draft_token_num=full, new_seq_lens=new_seq_lens,
+                                             accept_tokens=accept_tokens, accept_lens=accept_lens),
+        speculative_num_draft_tokens=worker.speculative_num_draft_tokens)
 
 
 def widen(result, width: int, full: int) -> None:
@@ -403,7 +507,7 @@ class VerifyRecord:
             state.last_step_entropy = sum(measured) / len(measured) if measured else None
             state.drafts.observe(tried[i], right[i])
         self.tally.report(rt)
-        spec.sizer.observe(step.width, len(accepted), step.seconds, drafted, accepted, (tried, right))
+        spec.sizer.observe(step.width, accepted)
         spec.steps += 1
         spec.rows += len(accepted)
         spec.verified += step.width * len(accepted)
