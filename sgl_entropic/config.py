@@ -184,12 +184,16 @@ class SpeculativeConfig(_Section):
     algorithm: Optional[Literal["NGRAM"]] = Field(
         None, description="set by the launcher and the Engine from SGLang's --speculative-algorithm (None: no "
         "speculation); not a setting of its own")
+    source: Optional[str] = Field(
+        None, description="set by the launcher and the Engine: why speculation is on or off (/server_info); not a "
+        "setting of its own")
     # The default follows the measurement (docs/speculative.md): with shadow trials the entropy rule led at batch 1.
-    draft: Optional[Literal["fixed", "matched", "acceptance", "entropy"]] = Field(
+    draft: Optional[Literal["off", "fixed", "matched", "acceptance", "entropy"]] = Field(
         None, description="verify width per step: fixed (SGLang's maximum), matched (what the trie offers), "
-        "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H) and the "
-        "request's own draft hit rate); unset: entropy, or acceptance with --tp-size > 1 (the entropy rule times "
-        "its steps on each rank)")
+        "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H), the "
+        "request's own draft hit rate and this machine's step costs); off: no speculation (mode full turns "
+        "NGRAM on by default); unset: entropy, or acceptance with --tp-size > 1 (the cost table is timed on each "
+        "rank)")
     drafts: Literal["request", "server"] = Field(
         "request", description="where drafts come from: request (each request's own n-gram trie over its prompt and "
         "output: its output never depends on what the server served before), server (SGLang's trie shared by every "

@@ -147,6 +147,8 @@ def map_speculative_flags(rest: list[str], config: EntropicConfig,
         config, updates = speculative_args(config, _given(rest, SPECULATIVE_FIELDS), _device(rest), spell_flag)
     except ValueError as err:
         parser.error(str(err))
+    if config.speculative.source is not None:
+        print(f"sgl-entropic: speculative decoding {config.speculative.source}", file=sys.stderr)
     return rest + _as_flags(updates), config
 
 

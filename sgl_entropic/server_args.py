@@ -111,12 +111,24 @@ CPU_VERIFY_BACKENDS = (ATTENTION_BACKEND, "intel_amx")
 def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: str,
                      spell: Spell) -> tuple[EntropicConfig, dict[str, Any]]:
     """(the config with speculative.algorithm set, SGLang arguments to add); ValueError for what is refused."""
-    if config.speculative.algorithm is not None:
-        raise ValueError("speculative.algorithm comes from SGLang's speculative_algorithm, not the entropic config")
-    algorithm = args.get("speculative_algorithm")
+    if config.speculative.algorithm is not None or config.speculative.source is not None:
+        raise ValueError("speculative.algorithm and speculative.source are set by the launcher and the Engine, not "
+                         "the entropic config")
+    algorithm, off = args.get("speculative_algorithm"), config.speculative.draft == "off"
+    updates: dict[str, Any] = {}
     if algorithm is None:
-        return config, {}
-    asked = spell("speculative_algorithm", algorithm)
+        why_not = "speculative.draft 'off'" if off else default_blocker(config, args, spell)
+        if config.mode != "full" or why_not is not None:
+            source = None if config.mode != "full" else f"off: {why_not}"
+            return config.model_copy(update={"speculative": config.speculative.model_copy(
+                update={"source": source})}), {}
+        algorithm = updates["speculative_algorithm"] = "NGRAM"
+        asked, source = "--entropic full", "on: the default of --entropic full (speculative.draft 'off' turns it off)"
+    else:
+        asked = spell("speculative_algorithm", algorithm)
+        source = f"on: {asked}"
+        if off:
+            raise ValueError(f"{asked} with speculative.draft 'off': drop one of them")
     if str(algorithm).upper() != "NGRAM":
         raise ValueError(f"{asked}: sgl-entropic serves SGLang's NGRAM speculative decoding only (its verification "
                          f"is where the controller and the traces run; {algorithm}'s would skip them)")
@@ -135,10 +147,9 @@ def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: st
                          "last pipeline stage's logits only)")
     draft = config.speculative.draft or ("acceptance" if tp > 1 else "entropy")
     if tp > 1 and draft == "entropy":
-        raise ValueError(f"speculative.draft 'entropy' with {spell('tp_size', tp)}: its step-time fit is measured "
+        raise ValueError(f"speculative.draft 'entropy' with {spell('tp_size', tp)}: its cost table is timed "
                          "on each rank and the ranks must agree on every step's width; use 'acceptance', 'matched' "
                          "or 'fixed'")
-    updates: dict[str, Any] = {}
     if config.pruning_on:  # KV pages of pruning.page_size tokens: SGLang verifies trees there with FlashInfer only
         breadth = args.get("speculative_ngram_max_bfs_breadth")
         if breadth is None:
@@ -154,8 +165,27 @@ def speculative_args(config: EntropicConfig, args: Mapping[str, Any], device: st
         elif backend not in CPU_VERIFY_BACKENDS:
             raise ValueError(f"{spell('attention_backend', backend)} with {asked}: it has no verify forward on CPU; "
                              f"drop it (the launcher picks {ATTENTION_BACKEND!r}, which has one)")
-    spec = config.speculative.model_copy(update={"algorithm": "NGRAM", "draft": draft})
+    spec = config.speculative.model_copy(update={"algorithm": "NGRAM", "draft": draft, "source": source})
     return config.model_copy(update={"speculative": spec}), updates
+
+
+def default_blocker(config: EntropicConfig, args: Mapping[str, Any], spell: Spell) -> str | None:
+    """Why `--entropic full` does not turn speculation on by itself, or None: what the user set that speculation
+    would refuse (`speculative_args`) or that it was never run with here. Asking for it explicitly gives the
+    refusal's full reason."""
+    for name, (neutral, _) in REFUSED_WITH_SPECULATION.items():
+        if name in args and args[name] != neutral:
+            return spell(name, args[name])
+    if config.sampling.controller == "mirostat_v2":
+        return "sampling.controller 'mirostat_v2'"
+    if config.pruning_on and config.pruning.selector == "surprisal":
+        return "pruning.selector 'surprisal'"
+    for name in ("pp_size", "dp_size"):  # dp: the NGRAM worker per DP rank was never run under the plugin
+        if int(args.get(name) or 1) > 1:
+            return spell(name, args[name])
+    if args.get("enable_dp_attention"):
+        return spell("enable_dp_attention", True)
+    return None
 
 
 def flag(name: str) -> str:
@@ -171,4 +201,4 @@ def spell_kwarg(name: str, value: Any) -> str:
 
 
 SPECULATIVE_FIELDS = ("speculative_algorithm", "speculative_ngram_max_bfs_breadth", "attention_backend", "tp_size",
-                      "pp_size", *REFUSED_WITH_SPECULATION)
+                      "pp_size", "dp_size", "enable_dp_attention", *REFUSED_WITH_SPECULATION)

@@ -74,9 +74,12 @@ def server(tmp_path_factory) -> Server:
 
 
 PRUNING = {"min_context": 1024, "dense_kernel_from": 2048}
+# The shared server decodes without speculation (the reference the speculative servers must match token for token);
+# `--entropic full` would turn NGRAM on by default.
+NO_SPECULATION = {"draft": "off"}
 
 
-def shared_server_cmd(config: str = json.dumps({"pruning": PRUNING})) -> list[str]:
+def shared_server_cmd(config: str = json.dumps({"pruning": PRUNING, "speculative": NO_SPECULATION})) -> list[str]:
     return [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
             "--entropic-config", config, "--constrained-json-disable-any-whitespace", "--schedule-policy",
             "entropic", *COMMON_ARGS]
@@ -101,10 +104,10 @@ def spec_server(tmp_path_factory) -> Server:
 
 @pytest.fixture(scope="module")
 def entropy_spec_server(tmp_path_factory) -> Server:
-    """The spec server under the entropy rule (the default), which verifies no drafts on steps where it expects
-    them to miss. Per module: two modules use it, and the tier's memory should not hold it in between."""
-    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "entropy"}})) + [
-        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    """The default of `--entropic full`: NGRAM under the entropy rule, turned on without any SGLang flag (only its
+    width capped at 4 nodes, as the other spec server's), which runs plain steps where it expects drafts to miss.
+    Per module: two modules use it, and the tier's memory should not hold it in between."""
+    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING})) + ["--speculative-num-draft-tokens", "4"]
     srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
     yield srv
     stop_server(srv.proc)

@@ -127,4 +127,36 @@ def test_the_engine_spells_speculative_refusals_as_its_own_parameters():
     # without pruning the KV pool keeps SGLang's pages: trees stay allowed; on CUDA SGLang's backend verifies
     sampling = EntropicConfig(mode="sampling")
     assert speculative_args(sampling, {"speculative_algorithm": "NGRAM"}, "cuda", spell_kwarg)[1] == {}
-    assert speculative_args(config, {}, "cpu", spell_kwarg) == (config, {})
+    assert speculative_args(sampling, {}, "cpu", spell_kwarg) == (sampling, {})  # other modes: only when asked
+
+
+def test_full_speculates_by_default_unless_turned_off_or_ruled_out():
+    """`--entropic full` runs NGRAM without any SGLang flag; speculative.draft 'off' turns it off; a flag of the
+    user's that speculation would refuse keeps it off instead of failing the launch; the source says which."""
+    from sgl_entropic.server_args import speculative_args, spell_flag
+
+    spec, updates = speculative_args(EntropicConfig(), {}, "cpu", spell_flag)
+    assert spec.speculative.algorithm == "NGRAM" and spec.speculative.draft == "entropy"
+    assert spec.speculative.source.startswith("on: the default of --entropic full")
+    assert updates == {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 1,
+                       "attention_backend": "entropic"}
+    # on CUDA where pruning does not engage: SGLang's NGRAM as stock runs it, nothing else
+    full_cuda = EntropicConfig().model_copy(update={"pruning": EntropicConfig().pruning.model_copy(
+        update={"engaged": False})})  # as pruning_args leaves it
+    assert speculative_args(full_cuda, {}, "cuda", spell_flag)[1] == {"speculative_algorithm": "NGRAM"}
+    off = EntropicConfig.model_validate({"speculative": {"draft": "off"}})
+    spec, updates = speculative_args(off, {}, "cpu", spell_flag)
+    assert not spec.speculative_on and updates == {} and spec.speculative.source == "off: speculative.draft 'off'"
+    with pytest.raises(ValueError, match="speculative.draft 'off'"):
+        speculative_args(off, {"speculative_algorithm": "NGRAM"}, "cpu", spell_flag)
+    explicit = speculative_args(EntropicConfig(), {"speculative_algorithm": "NGRAM"}, "cpu", spell_flag)[0]
+    assert explicit.speculative.source == "on: --speculative-algorithm NGRAM"
+    for args, config, named in (({"pp_size": 2}, EntropicConfig(), "--pp-size 2"),
+                                ({"dp_size": 2}, EntropicConfig(), "--dp-size 2"),
+                                ({"speculative_adaptive": True}, EntropicConfig(), "--speculative-adaptive"),
+                                ({}, EntropicConfig.model_validate({"sampling": {"controller": "mirostat_v2"}}),
+                                 "mirostat_v2")):
+        spec, updates = speculative_args(config, args, "cpu", spell_flag)
+        assert not spec.speculative_on and updates == {} and named in spec.speculative.source
+    with pytest.raises(ValueError, match="set by the launcher"):
+        speculative_args(spec, {}, "cpu", spell_flag)  # the source is the launcher's, not the user's

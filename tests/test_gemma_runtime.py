@@ -34,7 +34,7 @@ def gemma_servers(tmp_path_factory):
         return [sys.executable, "-m", "sgl_entropic.launch_server", "--model-path", model, "--entropic", "full",
                 "--entropic-config", json.dumps({"pruning": PRUNING, **config}), *ARGS]
 
-    ours = entropic({})
+    ours = entropic({"speculative": {"draft": "off"}})  # pruned decode on every step: no verify steps
     stock = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", *ARGS]
     stock_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     stock_env["SGLANG_USE_CPU_ENGINE"] = "1"

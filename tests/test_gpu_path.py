@@ -37,22 +37,28 @@ from sgl_entropic import launch_server, plugin
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.engine import _engine_kwargs
 from sgl_entropic.model import bundled_model_path
+from sgl_entropic.server_args import speculative_args, spell_kwarg
 
 seen = []
 sglang.launch_server.run_server = lambda args: seen.append(args)
 sglang.srt.utils.kill_process_tree = lambda *a, **k: None
 model = str(bundled_model_path())
-fields = ("disable_cuda_graph", "disable_prefill_cuda_graph", "attention_backend", "page_size")
+fields = ("disable_cuda_graph", "disable_prefill_cuda_graph", "attention_backend", "page_size", "speculative_algorithm",
+          "speculative_num_draft_tokens", "speculative_ngram_max_bfs_breadth", "max_running_requests")
 out = {}
 if sys.argv[1] == "default":  # stock first (no plugin), then ours: SGLang loads the plugin once per process
     from sglang.srt.server_args import prepare_server_args
-    stock = {"launcher": prepare_server_args(["--model-path", model, "--device", "cuda"]),
-             "engine": ServerArgs(model_path=model, device="cuda")}
+    # stock with SGLang's NGRAM: the default speculates (--entropic full), with SGLang's own NGRAM settings
+    stock = {"launcher": prepare_server_args(["--model-path", model, "--device", "cuda", "--speculative-algorithm",
+                                              "NGRAM"]),
+             "engine": ServerArgs(model_path=model, device="cuda", speculative_algorithm="NGRAM")}
     out["stock"] = {who: {k: getattr(a, k) for k in fields} for who, a in stock.items()}
 extra = {"default": {}, "prunes": {"pruning": {"min_context": 8192}}}[sys.argv[1]]
 launch_server.main(["--model-path", model, "--device", "cuda", "--entropic-config", json.dumps(extra)])
 config, kwargs = _engine_kwargs(EntropicConfig.model_validate({"mode": "full", **extra}),
                                 {"model_path": model, "device": "cuda"})
+config, updates = speculative_args(config, kwargs, "cuda", spell_kwarg)
+kwargs = {**kwargs, **updates}
 out[sys.argv[1]] = {who: {k: getattr(a, k) for k in fields}
                     for who, a in (("launcher", seen[-1]), ("engine", ServerArgs(**kwargs)))}
 out[sys.argv[1]]["hooks"] = sorted({h.target.rsplit(".", 2)[-2] for h in plugin.hook_table(config)})
@@ -70,12 +76,17 @@ def test_on_cuda_full_changes_nothing_where_pruning_cannot_engage_and_keeps_deco
         stderr[case] = proc.stderr
     assert "pruning does not engage on CUDA" in stderr["default"]
     for who in ("launcher", "engine"):
-        # the default: exactly what stock SGLang runs with (its backend, its prefill graphs, its page size) ...
+        # the default: exactly what stock SGLang runs with NGRAM (its backend, its prefill graphs, its page size,
+        # its draft settings) ...
         assert received["default"][who] == received["stock"][who], who
+        assert received["default"][who]["speculative_algorithm"] == "NGRAM"
         # ... and where pruning engages: decode graphs stay, prefill graphs go (a replayed extend would skip the
-        # page store's fold)
-        assert received["prunes"][who] == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
-                                           "attention_backend": "entropic", "page_size": 16}, who
+        # page store's fold), and drafts are chains (pages of pruning.page_size tokens)
+        prunes = {k: received["prunes"][who][k] for k in ("disable_cuda_graph", "disable_prefill_cuda_graph",
+                                                           "attention_backend", "page_size",
+                                                           "speculative_ngram_max_bfs_breadth")}
+        assert prunes == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
+                          "attention_backend": "entropic", "page_size": 16, "speculative_ngram_max_bfs_breadth": 1}, who
     # the KV pool: only an engaged pruning loop takes the page store's bytes out of it (config_from_budget)
     assert "KVCacheConfigurator" not in received["default"]["hooks"]
     assert "KVCacheConfigurator" in received["prunes"]["hooks"]

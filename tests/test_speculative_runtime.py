@@ -31,16 +31,34 @@ def test_greedy_output_is_token_identical_with_and_without_speculation(server, s
         assert spec["meta_info"]["spec_num_correct_drafts"] > 0
 
 
-def test_the_entropy_rule_is_token_identical_and_learns_from_the_steps_it_verified_no_drafts(server,
-                                                                                            entropy_spec_server):
+def test_the_default_speculates_token_identically_and_runs_plain_steps_where_drafts_miss(server,
+                                                                                       entropy_spec_server):
+    """`--entropic full` alone: NGRAM on, the entropy rule, each request's own trie; fp32 greedy output equal to
+    decoding without speculation; steps at width 1 are plain decode steps (no verify forward), on which the rule
+    still checks the trie's first draft against the committed token."""
     for text in PROMPTS:
         assert _greedy(entropy_spec_server, text)["output_ids"] == _greedy(server, text)["output_ids"]
-    info = entropy_spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]
+    server_info = entropy_spec_server.get("/server_info").json()
+    assert server_info["entropic"]["config"]["speculative"]["source"].startswith("on: the default of --entropic full")
+    info = server_info["internal_states"][0]["entropic"]["speculative"]
     totals = info["totals"]
-    assert info["rule"] == "entropy" and totals["accepted"] > 0  # it drafted where the prompts quote
-    # and on steps of width 1 it still checked the trie's first draft against the committed token
-    assert totals["verified"] < 4 * totals["rows"] and totals["shadow_tried"] > 0
+    assert info["rule"] == "entropy" and info["drafts"] == "request" and totals["accepted"] > 0
+    assert totals["plain_steps"] > 0 and totals["verified"] <= 4 * totals["rows"] and totals["shadow_tried"] > 0
     assert 0 <= totals["shadow_right"] <= totals["shadow_tried"]
+    assert info["step_costs"]["tokens"] and info["step_costs"]["gemm_ms"][0] > 0  # the machine's cost table
+    off = server.get("/server_info").json()
+    assert off["entropic"]["config"]["speculative"]["source"] == "off: speculative.draft 'off'"
+    assert "speculative" not in off["internal_states"][0]["entropic"]
+
+
+def test_a_plain_step_traces_its_tokens_like_a_verify_step_that_drafted_nothing(entropy_spec_server):
+    """Every decode step, verify or plain, has its drafts on its first token (0 on a plain step), and SGLang counts
+    both as its verify steps."""
+    out = _greedy(entropy_spec_server, PROMPTS[2], return_entropy=True)  # an open question: few drafts
+    meta = out["meta_info"]
+    steps = [(d, a) for d, a in zip(meta["drafted"], meta["accepted"]) if d is not None]
+    assert len(steps) == meta["spec_verify_ct"] and (0, 0) in steps
+    assert sum(a + 1 for _, a in steps) >= meta["completion_tokens"] - 1
 
 
 def test_every_committed_token_carries_its_trace_and_each_step_its_drafts(spec_server):

@@ -160,4 +160,5 @@ def activate(config: EntropicConfig, apply: bool = False) -> None:
 
         HookRegistry.apply_hooks()
         hooks.report_missing("main")
-    logger.info("sgl-entropic registered (mode=%s)", config.mode)
+    logger.info("sgl-entropic registered (mode=%s; speculative decoding %s)", config.mode,
+                config.speculative.source or "off")
