@@ -2,7 +2,8 @@
 
 Configurations (each a server, started per round in a rotated order, its warm-up request first):
   stock          `python -m sglang.launch_server`, no speculation (stock cannot run NGRAM on CPU: no sgl_kernel)
-  ours           `--entropic full`, no speculation (what the plugin does without it)
+  ours           `--entropic full` with speculative.draft 'off': the plugin without speculation
+  default        `--entropic full` alone: NGRAM under the entropy rule, each request's own trie, at most 12 nodes
   fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default);
                  the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
@@ -50,8 +51,9 @@ from full_system import plugin_time, plugin_time_during
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 WORKLOADS = ("agent", "doc", "chat", "long")
-SIZES = {  # requests (agent: conversations of 3 turns) at concurrency 1 and 8
-    "agent": {1: 2, 8: 8}, "doc": {1: 4, 8: 6}, "chat": {1: 6, 8: 8}, "long": {1: 2, 8: 8}}
+SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
+    "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32}, "doc": {1: 4, 4: 4, 8: 6}, "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
+    "long": {1: 2, 8: 8}}
 OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
@@ -176,7 +178,8 @@ def spec_during(before: dict, after: dict) -> dict:
     """Verify steps between two /server_info reads (they accumulate): widths, drafts, accepted, committed."""
     if not after:
         return {}
-    keys = ("verify_steps", "rows", "verified", "drafted", "accepted", "committed", "shadow_tried", "shadow_right")
+    keys = ("verify_steps", "plain_steps", "rows", "verified", "drafted", "accepted", "committed", "shadow_tried",
+            "shadow_right")
     diff = {k: after["totals"].get(k, 0) - (before or {}).get("totals", {}).get(k, 0) for k in keys}
     r = diff["rows"] or 1
     return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
@@ -192,6 +195,8 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
     if config == "stock":
         return common.stock_command(port, common_args)
     if config == "ours":
+        return common.ours_command(port, common_args, "full", {"speculative": {"draft": "off"}})
+    if config == "default":
         return common.ours_command(port, common_args, "full")
     rule, width = ("fixed", int(config.split("-")[1])) if config.startswith("fixed-") else (config, MAX_WIDTH)
     spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(width)]
@@ -314,6 +319,8 @@ def comparisons(config: str, best: Optional[str], configs: list[str]) -> list[tu
         pairs.append((best, "vs_best_fixed"))
     if config == "entropy":
         pairs.append(("acceptance", "vs_acceptance"))
+    if config in ("default", "entropy") and "ours" in configs:  # speculation against the same plugin without it
+        pairs.append(("ours", "vs_ours"))
     return pairs
 
 
@@ -360,7 +367,8 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                 ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s",
                  "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
     legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
-              "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules).")
+              "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
+              "speculation).")
     return summary, legend + "\n\n" + "\n\n".join(text)
 
 
@@ -370,7 +378,7 @@ def _spread(vals: list[float]) -> dict:
 
 def _cell(e: dict) -> str:
     s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
-    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance"]:
+    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance", "vs_ours"]:
         r = e.get(label)
         if r:
             s += f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"

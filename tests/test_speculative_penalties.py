@@ -44,3 +44,17 @@ def test_penalized_requests_are_served_exactly_beside_drafting_ones(sync_server,
         assert outs[1] == outs[0]
         changed = [c or out != outs[0][-1] for c, out in zip(changed, outs[0])]
     assert all(changed)
+
+
+def _plain_steps(srv) -> int:
+    return srv.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]["totals"]["plain_steps"]
+
+
+def test_a_penalized_request_alone_runs_plain_decode_steps_exactly(sync_server, spec_server):
+    """Alone, a penalized request's steps verify no drafts: each is a plain decode step (the penalties applied as
+    plain decoding applies them), token-identical to plain decoding."""
+    before = _plain_steps(spec_server)
+    for penalty in PENALTIES:
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 24, "temperature": 0, **penalty}}
+        assert spec_server.generate(body)["output_ids"] == sync_server.generate(body)["output_ids"]
+    assert _plain_steps(spec_server) - before >= len(PENALTIES) * 20  # every decode step but the last few plain
