@@ -400,6 +400,8 @@ def _launcher_cases():
             wrong = 1 if "Literal" in str(info.annotation) else "x"  # a Literal (mode) takes strings
             if info.annotation is bool:  # strict: neither 1 nor "true" is a bool
                 values = [wrong, 1, "true"]
+            elif str in getattr(info.annotation, "__args__", ()):  # text the launcher sets: any value refused
+                values = [wrong, 1]
             else:
                 values = [wrong] + ([] if "Literal" in str(info.annotation) else _out_of_range(model, name))
             for v in values:
