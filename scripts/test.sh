@@ -16,5 +16,6 @@ for arg in "$@"; do
   esac
 done
 # tests/test_router.py runs smg, tests/test_docs.py builds the docs site, tests/test_gemma_runtime.py serves Gemma
-bash scripts/setup.sh --router --docs --model gemma3-270m
+bash scripts/setup.sh --router --docs --lint --model gemma3-270m
+.venv/bin/ruff check .  # the linter first: seconds, and a lint error fails the tier
 exec .venv/bin/python -m pytest ${tier[@]+"${tier[@]}"} --durations=15 ${args[@]+"${args[@]}"}

@@ -125,9 +125,11 @@ def test_prometheus_series(server):
         "sglang:entropic_efficiency",
     ):
         assert series in text, series
-    count = [l for l in text.splitlines() if l.startswith("sglang:entropic_step_entropy_nats_count")]
+    lines = text.splitlines()
+    count = [line for line in lines if line.startswith("sglang:entropic_step_entropy_nats_count")]
     assert count and float(count[0].split()[-1]) >= 4
-    assert not math.isnan(float([l for l in text.splitlines() if l.startswith("sglang:entropic_cost_gflop_total")][0].split()[-1]))
+    cost = [line for line in lines if line.startswith("sglang:entropic_cost_gflop_total")]
+    assert not math.isnan(float(cost[0].split()[-1]))
 
 
 def test_every_dashboard_query_names_a_series_the_server_exports(server):
