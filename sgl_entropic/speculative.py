@@ -85,13 +85,15 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
 PLAIN_MARGIN = 0.1
 
 
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Piecewise-linear in `xs`, extended past the last point along the last segment (GEMMs and attention grow
-    linearly once compute-bound)."""
-    if len(xs) == 1 or x <= xs[-1]:
-        return float(np.interp(x, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return float(ys[-1] + max(slope, 0.0) * (x - xs[-1]))
+def _interp(x, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
+    """Piecewise-linear in `xs` at each of `x`, extended past the last point along the last segment (GEMMs and
+    attention grow linearly once compute-bound)."""
+    x = np.asarray(x, dtype=float)
+    y = np.interp(x, xs, ys)
+    if len(xs) > 1:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        y = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), y)
+    return y
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,14 @@ class StepCosts:
     contexts: tuple[int, ...] = ()
     widths: tuple[int, int] = (1, 1)
     attention: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # [width][context], one row, every layer
+    _gemm_prices: dict = field(default_factory=dict, compare=False, repr=False)  # (rows, widths) -> prices
 
     @property
     def measured(self) -> bool:
         return bool(self.tokens)
 
     def forward(self, tokens: int) -> float:
-        return _interp(tokens, self.tokens, self.gemm)
+        return float(_interp(tokens, self.tokens, self.gemm))
 
     def plain(self, contexts: Sequence[int]) -> float:
         """A plain decode step of rows at these context lengths."""
@@ -125,11 +128,21 @@ class StepCosts:
 
     def verify(self, contexts: Sequence[int], width: int) -> float:
         """A verify step of rows at these context lengths, `width` nodes each."""
-        lo, hi = self.widths
-        share = 0.0 if hi == lo else (width - lo) / (hi - lo)
-        attention = sum((1 - share) * _interp(n, self.contexts, self.attention[0])
-                        + share * _interp(n, self.contexts, self.attention[1]) for n in contexts)
-        return self.forward(len(contexts) * width) + attention
+        return float(self.prices(contexts, [width])[0])
+
+    def prices(self, contexts: Sequence[int], widths: Sequence[int]) -> np.ndarray:
+        """A verify step's price at each of `widths` for rows at these context lengths (the rule prices every width
+        each step: the GEMMs' part is kept per row count and widths, the attention's is two interpolations)."""
+        key = (len(contexts), tuple(widths))
+        fixed = self._gemm_prices.get(key)
+        if fixed is None:
+            w = np.asarray(widths, dtype=float)
+            lo, hi = self.widths
+            share = np.zeros_like(w) if hi == lo else (w - lo) / (hi - lo)
+            fixed = self._gemm_prices[key] = (_interp(len(contexts) * w, self.tokens, self.gemm), share)
+        gemm, share = fixed
+        narrow, wide = (float(_interp(contexts, self.contexts, a).sum()) for a in self.attention)
+        return gemm + narrow + share * (wide - narrow)
 
     def table(self) -> dict:
         """`/server_info`: the table, in milliseconds."""
@@ -182,20 +195,22 @@ def entropy_width(offers: Sequence[int], acceptance: Sequence[float], costs: Ste
                   plain: bool = True, margin: float = PLAIN_MARGIN) -> int:
     """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(W) (ties: the narrower), with
     E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`) and T the
-    step's price in `costs` for rows at `contexts`. Width 1 is the plain decode step where `plain` (else a verify
-    over one token); a wider one must beat it by `margin`. Without a cost table: every draft offered."""
+    step's price in `costs` for rows at `contexts`. Width 1 is the plain decode step where `plain`, which a wider
+    one must beat by `margin` (else a verify over one token, priced alike). Without a cost table: every draft offered."""
+    most = max(offers, default=0)
+    if most == 0:
+        return 1
     acceptance = np.asarray(acceptance, dtype=float)
-    depth = np.arange(1 + max(offers, default=0))[:, None]  # a width W verifies depths 0 .. W - 1
+    depth = np.arange(1 + most)[:, None]  # a width W verifies depths 0 .. W - 1
     terms = np.where(depth <= np.asarray(offers)[None, :], acceptance[None, :] ** depth, 0.0)  # [widths, rows]
     committed = terms.cumsum(0).sum(1)
     widths = depth[:, 0] + 1
     if not costs.measured:
         return int(widths[np.flatnonzero(committed >= committed.max() * (1 - 1e-9))[0]])
-    cost = np.array([costs.plain(contexts) if w == 1 and plain else costs.verify(contexts, int(w)) for w in widths])
+    cost = costs.prices(contexts, widths)  # width 1: the plain step's price (a plain step attends one query too)
     rate = committed / cost
-    if len(widths) == 1:
-        return 1
     best = 1 + int(np.flatnonzero(rate[1:] >= rate[1:].max() * (1 - 1e-9))[0])
+    margin = margin if plain else 0.0  # a verify at width 1 does the host work a wider one does
     return int(widths[best]) if rate[best] >= (1 + margin) * rate[0] else 1
 
 

@@ -212,8 +212,8 @@ def test_a_width_must_beat_the_plain_step_by_the_margin():
     assert entropy_width([1], [a], costs, [50], margin=0.0) == 2
     assert entropy_width([1], [a], costs, [50]) == 1
     assert PLAIN_MARGIN > slight
-    # without the plain step (logprobs, grammar, a GPU), width 1 is a verify step like the others
-    assert entropy_width([1], [a], costs, [50], plain=False) == 1
+    # without the plain step (logprobs, grammar, a GPU), width 1 is a verify step with the same host work: no margin
+    assert entropy_width([1], [a], costs, [50], plain=False) == 2
 
 
 def test_long_contexts_make_drafts_dear_where_a_verify_step_s_attention_grows_with_its_width():

@@ -3,7 +3,8 @@ one per request or SGLang's own, shared by the server (`speculative.drafts`).
 
 - ``request`` (the default): each request drafts from its own trie, over its prompt (inserted whole at its first
   decode step: earlier turns, documents and tool output in the prompt are what agents quote) and its output (each
-  step's last `max_trie_depth` tokens, as SGLang feeds its trie). Its drafts, hence the widths the rule picks and
+  step's last `max_trie_depth` tokens, as SGLang feeds its trie, inserted after the step's drafts are read, so that
+  the insert runs beside the forward). Its drafts, hence the widths the rule picks and
   the forwards its steps run, depend on the request alone: served alone, it gets the same output on every run and
   after a restart, in bf16 too.
 - ``server``: SGLang's trie, fed with every request's recent tokens and never with a prompt. A request drafts from
@@ -47,10 +48,13 @@ class RequestTries:
                     match_type=args.speculative_ngram_match_type,
                     capacity=min(MAX_NODES, depth * (len(tokens) + 1024)))
                 trie.batch_put([tokens])
+                fed = True
             else:
-                trie.batch_put([tokens[-depth:]])
-            trie.synchronize()
+                fed = False
+            trie.synchronize()  # the trie as of every insert before: the same drafts on every run
             d, m = trie.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
+            if not fed:  # this step's tail, inserted by SGLang's insert thread while the step runs
+                trie.batch_put([tokens[-depth:]])
             drafts.append(d)
             masks.append(m)
         return np.stack(drafts).reshape(len(contexts), width), np.stack(masks).reshape(len(contexts), width, width)

@@ -63,6 +63,7 @@ class Speculation:
 
     sizer: DraftSizer
     tries: Optional[RequestTries] = None  # speculative.drafts 'request': each request's own trie; else SGLang's
+    plain_steps_served: bool = False  # width 1 runs plain decode steps here (after_alloc_memory_pool)
     step: Optional[VerifyStep] = None  # the step being run (plan -> verify -> its end)
     sampler: object = None  # the model runner's Sampler, which samples every node
     steps: int = 0
@@ -93,6 +94,8 @@ class Speculation:
 
 def after_alloc_memory_pool(result, worker, *args, **kwargs):
     """At start-up, once the model and its KV pool exist: the server's speculative state and its cost table."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
     rt = runtime.current()
     rule, width = rt.config.speculative.draft, worker.speculative_num_draft_tokens
     costs = StepCosts()
@@ -102,7 +105,9 @@ def after_alloc_memory_pool(result, worker, *args, **kwargs):
         except Exception:  # the server serves; without a table the rule verifies every draft offered
             rt.fault("the draft rule's cost table")
     tries = RequestTries() if rt.config.speculative.drafts == "request" else None
-    rt.speculation = Speculation(DraftSizer(rule, width, costs), tries, sampler=worker.model_runner.sampler)
+    # plain steps on CPU (on CUDA the verify forward keeps its graphs), for models without recurrent state
+    plain = torch.device(worker.device).type == "cpu" and mambaish_config(worker.model_runner.model_config) is None
+    rt.speculation = Speculation(DraftSizer(rule, width, costs), tries, plain, sampler=worker.model_runner.sampler)
     return result
 
 
@@ -153,8 +158,6 @@ def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kw
 
 def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     """This step's drafts (the trie's, as SGLang reads them) and the width the rule picks for them."""
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-
     bs, full = len(batch.reqs), spec.sizer.max_width
     worker.draft_token_num = full  # the corpus returns full-width trees
     if spec.tries is None:
@@ -167,10 +170,9 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     offers = [0 if i in exact else k for i, k in enumerate(offered_drafts(drafts, mask).tolist())]
     states = [getattr(r, "entropic", None) for r in batch.reqs]
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts) for s in states]
-    # the plain step where it serves the batch as plain decoding would: CPU (on CUDA the verify forward keeps its
-    # graphs), no logprobs or grammar (SGLang returns and constrains them per verified node), no recurrent state
-    plain = (torch.device(worker.device).type == "cpu" and not batch.return_logprob and not batch.has_grammar
-             and mambaish_config(worker.model_runner.model_config) is None)
+    # the plain step where it serves the batch as plain decoding would: no logprobs or grammar (SGLang returns and
+    # constrains them per verified node)
+    plain = spec.plain_steps_served and not batch.return_logprob and not batch.has_grammar
     width = spec.sizer.width(offers, acceptance, batch.seq_lens_cpu.tolist(), plain)
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
     return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
@@ -235,7 +237,8 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
 
     rt.times.sglang(prepare)
     try:
-        result = worker.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        result = rt.times.sglang(worker.target_worker.forward_batch_generation, batch,
+                                 pp_proxy_tensors=pp_proxy_tensors)
     finally:
         batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum = kept
     predict = result.next_token_ids
