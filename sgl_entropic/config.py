@@ -31,6 +31,10 @@ MODE_ALIASES = {"off": "signal"}
 # (the scheduler and detokenizer are spawned, so they inherit the launcher's environment).
 CONFIG_ENV = "SGLANG_ENTROPIC_CONFIG"
 SERVER_ONLY = frozenset({"every_request"})  # sampling fields a request may not set
+# custom_params.entropic.speculative: a request's speculation, not a sampling field. It crosses to the scheduler as
+# custom_params.entropic_speculative (SGLang's IPC carries one level of nesting in custom_params).
+REQUEST_SPECULATIVE_KEY = "speculative"
+SPECULATIVE_PARAMS_KEY = "entropic_speculative"
 # SGLang server arguments whose KV paths bypass the attention backend, so the page store's key bounds
 # would be stale or zero: pruning refuses them (plus PD disaggregation) until the store is fed there too.
 KV_PATHS_PRUNING_CANNOT_SEE = {
@@ -200,6 +204,17 @@ class SpeculativeConfig(_Section):
         "request's recent tokens)")
 
 
+class RequestSpeculation(_Section):
+    """`custom_params.entropic.speculative`: one request's speculative decoding, within the server's."""
+
+    draft: Optional[Literal["off", "fixed", "matched", "entropy"]] = Field(
+        None, description="this request's draft rule: off (it verifies no drafts; alone it runs plain decode steps), "
+        "fixed, matched or entropy (speculative.draft); unset: the server's")
+    max_draft_tokens: Optional[int] = Field(
+        None, ge=0, description="at most this many of its drafts verified a step (up to "
+        "--speculative-num-draft-tokens - 1); 0 is draft 'off'")
+
+
 class EntropicConfig(_Section):
     mode: Mode = "full"
     sampling: SamplingConfig = SamplingConfig()
@@ -336,3 +351,26 @@ def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingC
         return SamplingConfig.model_validate({**server.model_dump(exclude_unset=True), **overrides})
     except ValidationError as err:
         raise ValueError(format_error(err, prefix="custom_params.entropic")) from None
+
+
+def request_speculation(value: Any, max_drafts: Optional[int], entropy_rule: bool,
+                        prefix: str = "custom_params.entropic.speculative") -> RequestSpeculation:
+    """A request's `speculative` object checked against the server: `max_drafts` its most drafts a step (None:
+    speculation is off there), `entropy_rule` whether its rule is entropy (it
+    then has the cost table). ValueError naming the
+    field (HTTP 400)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{prefix} must be a JSON object, got {type(value).__name__}")
+    try:
+        spec = RequestSpeculation.model_validate(value)
+    except ValidationError as err:
+        raise ValueError(format_error(err, prefix=prefix)) from None
+    if spec.draft not in (None, "off") and max_drafts is None:
+        raise ValueError(f"{prefix}.draft: speculative decoding is off on this server ('off' is the only rule)")
+    if spec.draft == "entropy" and not entropy_rule:
+        raise ValueError(f"{prefix}.draft: 'entropy' needs the server's cost table, timed where the server's rule is "
+                         "entropy (its default with --tp-size 1)")
+    if spec.max_draft_tokens is not None and max_drafts is not None and spec.max_draft_tokens > max_drafts:
+        raise ValueError(f"{prefix}.max_draft_tokens: at most {max_drafts} on this server "
+                         "(--speculative-num-draft-tokens - 1)")
+    return spec

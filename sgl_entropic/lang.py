@@ -19,23 +19,29 @@ from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 
 from sgl_entropic.plugin import frontend
-from sgl_entropic.config import SERVER_ONLY, SamplingConfig, format_error
+from sgl_entropic.config import REQUEST_SPECULATIVE_KEY, SERVER_ONLY, RequestSpeculation, SamplingConfig, format_error
 
 ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields) - SERVER_ONLY
 
 
-def gen(name: Optional[str] = None, **kwargs: Any):
-    """`sgl.gen` plus the entropic sampling keywords of `SamplingConfig`.
+def gen(name: Optional[str] = None, speculative: Optional[dict] = None, **kwargs: Any):
+    """`sgl.gen` plus the entropic sampling keywords of `SamplingConfig`, and `speculative`, this call's speculative
+    decoding (`RequestSpeculation`: {"draft": "off"}, {"max_draft_tokens": 2}, ...).
 
-    With no entropic keyword, the server's defaults apply (the controller still runs).
+    With no entropic keyword, the server's defaults apply (the controller still runs); with `speculative` alone
+    the controller is the server's choice, as for any request without sampling keywords (`every_request`).
     The per-step traces (`entropy`, `surprisal`, `temperature`) and the scalars
-    (`entropic_time`, `entropic_efficiency`) come back in `s.get_meta_info(name)`.
+    (`entropic_time`, `entropic_efficiency`, `entropic_speculative`) come back in `s.get_meta_info(name)`.
     """
     entropic = {k: kwargs.pop(k) for k in list(kwargs) if k in ENTROPIC_FIELDS}
     try:
         SamplingConfig.model_validate(entropic)
+        if speculative is not None:
+            RequestSpeculation.model_validate(speculative)
     except ValidationError as err:
         raise ValueError(format_error(err, prefix="sgl_entropic.gen")) from None
+    if speculative is not None:
+        entropic[REQUEST_SPECULATIVE_KEY] = dict(speculative)
     if kwargs.get("choices") is not None:
         # sgl.gen(choices=...) scores each choice instead of sampling: there is no T to control.
         if entropic:

@@ -73,6 +73,15 @@ def offered_drafts(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return (width - 1) - trailing.sum(1)
 
 
+def capped_candidates(candidates: Tensor, caps: Sequence[int]) -> Tensor:
+    """[B, W] draft tokens with every node past its row's cap (node index > caps[b], BFS order) set to -1, which
+    matches no sample: verification accepts at most caps[b] drafts of row b, and stays exact (a rejected draft
+    commits the node's own sample, as decoding without it would)."""
+    width = candidates.shape[1]
+    beyond = torch.arange(width)[None, :] > torch.tensor(list(caps))[:, None]
+    return candidates.masked_fill(beyond.to(candidates.device), -1)
+
+
 def tree_parents(mask: np.ndarray) -> np.ndarray:
     """[B, W] each node's parent, the largest strict ancestor in `mask` [B, W, W] (-1: none)."""
     node = np.arange(mask.shape[1])
@@ -224,16 +233,30 @@ class DraftSizer:
     accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
 
     def width(self, offers: Sequence[int], acceptance: Sequence[float], contexts: Sequence[int],
-              plain: bool = True) -> int:
-        """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers, `acceptance`
-        each row's expected chance per draft (the entropy rule's a_r), `contexts` the rows' lengths, `plain`
-        whether width 1 runs the plain decode step."""
+              plain: bool = True, rules: Optional[Sequence[str]] = None, caps: Optional[Sequence[int]] = None) -> int:
+        """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers (within its
+        cap), `acceptance` each row's expected chance per draft (the entropy rule's a_r), `contexts` the rows'
+        lengths, `plain` whether width 1 runs the plain decode step. Where requests chose their own rule
+        (`rules`, one a row; 'off' wants no drafts), each rule picks a width for its own rows' drafts, the others'
+        rows priced in, and the step takes the widest; `caps` each row's most drafts (a fixed row verifies up to
+        its cap)."""
+        if rules is None:
+            return self._width(self.rule, offers, acceptance, contexts, plain, caps)
+        wants = [1]
+        for rule in set(rules) - {"off"}:
+            mine = [r == rule for r in rules]
+            wants.append(self._width(rule, [k if m else 0 for k, m in zip(offers, mine)], acceptance, contexts, plain,
+                                     None if caps is None else [c if m else 0 for c, m in zip(caps, mine)]))
+        return max(wants)
+
+    def _width(self, rule: str, offers: Sequence[int], acceptance: Sequence[float], contexts: Sequence[int],
+               plain: bool, caps: Optional[Sequence[int]]) -> int:
         most = 1 + max(offers, default=0)
-        if self.rule == "fixed":
-            return self.max_width
-        if self.rule == "matched":
+        if rule == "fixed":
+            return self.max_width if caps is None else min(self.max_width, 1 + max(caps, default=0))
+        if rule == "matched":
             return min(most, self.max_width)
-        if self.rule == "acceptance":
+        if rule == "acceptance":
             ema = self.max_width - 2 if self.accepted_ema is None else self.accepted_ema  # SGLang: steps - 1
             return min(most, self.max_width, 2 + round(max(ema, 0.0)))
         return min(entropy_width(offers, acceptance, self.costs, contexts, plain), self.max_width)
@@ -273,3 +296,30 @@ def tree_temperatures(logits: Tensor, parent: Tensor, batch: ControllerBatch) ->
                                batch.warmup, batch.steps_done + depth[:, v].float())
         temps[:, v] = node.update(entropy(logits[:, v], incoming))
     return temps
+
+
+def from_drafts(drafted: Sequence[Optional[int]], accepted: Sequence[Optional[int]]) -> list[bool]:
+    """Per committed token, whether it was a draft the model confirmed, from the per-token traces (a step's counts on
+    its first token, null on its others): a step that accepted k drafts commits them first, then its own token."""
+    out, left = [], 0
+    for d, a in zip(drafted, accepted):
+        if d is not None:
+            left = a or 0
+        out.append(left > 0)
+        left = max(left - 1, 0)
+    return out
+
+
+def request_summary(offered: Sequence[Optional[int]], drafted: Sequence[Optional[int]],
+                    accepted: Sequence[Optional[int]], source: Sequence[Optional[str]]) -> dict:
+    """One request's speculation, from its per-token traces: decode steps, the steps that verified drafts of its own,
+    drafts its trie (or a corpus) offered, verified and accepted."""
+    steps = [i for i, d in enumerate(drafted) if d is not None]
+    verify = [i for i in steps if drafted[i] > 0]
+    accepted_total = sum(accepted[i] for i in steps)
+    corpus = [i for i in verify if source[i] == "corpus"]
+    return {"decode_steps": len(steps), "verify_steps": len(verify),
+            "drafts_offered": sum(offered[i] or 0 for i in steps),
+            "drafts_verified": sum(drafted[i] for i in steps), "drafts_accepted": accepted_total,
+            "accepted_per_verify": accepted_total / len(verify) if verify else None,
+            "corpus_verify_steps": len(corpus), "corpus_drafts_accepted": sum(accepted[i] for i in corpus)}

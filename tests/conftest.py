@@ -107,7 +107,9 @@ def entropy_spec_server(tmp_path_factory) -> Server:
     """The default of `--entropic full`: NGRAM under the entropy rule, turned on without any SGLang flag (only its
     width capped at 4 nodes, as the other spec server's), which runs plain steps where it expects drafts to miss.
     Per module: two modules use it, and the tier's memory should not hold it in between."""
-    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING})) + ["--speculative-num-draft-tokens", "4"]
+    # a SAM budget for the external corpora a test loads (none at start: the default's behaviour)
+    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING})) + ["--speculative-num-draft-tokens", "4",
+                                                                 "--speculative-ngram-external-sam-budget", "3"]
     srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
     yield srv
     stop_server(srv.proc)

@@ -1,6 +1,8 @@
 """SGLang's NGRAM speculative decoding under the plugin, on a real server (tests/conftest.py's `spec_server`, the
-shared server's configuration plus NGRAM): greedy output token-identical to the shared server's, sampled output
-with its distribution, every committed token traced, what cannot stay exact refused."""
+shared server's configuration plus NGRAM, and `entropy_spec_server`, the default): greedy output token-identical to
+the shared server's, sampled output with its distribution, every committed token traced, what cannot stay exact
+refused; one request's own speculation (`custom_params.entropic.speculative`: opt out, cap, rule), its counts in
+`meta_info` and `sglext`, and drafts from an external corpus loaded, used, removed and loaded again while serving."""
 
 from __future__ import annotations
 
@@ -121,3 +123,115 @@ def test_mirostat_which_verification_cannot_follow_is_http_400(spec_server):
     r = spec_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, **params}})
     assert r.status_code == 400 and "mirostat_v2" in r.text
     assert math.isfinite(_greedy(spec_server, "hi", 2)["meta_info"]["entropic_time"])  # still serving
+
+
+# ------------------------------------------------------------------ one request's speculation, corpora
+
+def _own(server, text: str, spec=None, n: int = 48, **extra) -> dict:
+    """A greedy request with its own `custom_params.entropic.speculative`."""
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    if spec is not None:
+        params["custom_params"] = {"entropic": {"speculative": spec}}
+    return server.generate({"text": text, "sampling_params": params, **extra})
+
+
+def _steps(meta) -> list[tuple[int, int, int]]:
+    return [(o, d, a) for o, d, a in zip(meta["offered"], meta["drafted"], meta["accepted"]) if d is not None]
+
+
+def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(server, entropy_spec_server):
+    reference = _greedy(server, PROMPTS[0])["output_ids"]
+    base = _greedy(entropy_spec_server, PROMPTS[0], return_entropy=True)
+    assert base["output_ids"] == reference and base["meta_info"]["entropic_speculative"]["drafts_accepted"] > 0
+    assert any(o > 0 and d == 0 for o, d, _ in _steps(base["meta_info"]))  # the entropy rule passes some offers up
+
+    out = _own(entropy_spec_server, PROMPTS[0], {"draft": "off"})
+    counts = out["meta_info"]["entropic_speculative"]
+    assert out["output_ids"] == reference
+    assert counts["verify_steps"] == counts["drafts_offered"] == 0 and counts["decode_steps"] == 47
+    assert "drafted" not in out["meta_info"]  # the per-token lists only when asked
+
+    capped = _own(entropy_spec_server, PROMPTS[0], {"max_draft_tokens": 1}, return_entropy=True)
+    steps = _steps(capped["meta_info"])
+    assert capped["output_ids"] == reference
+    assert all(d <= 1 and o <= 1 for o, d, _ in steps) and sum(a for *_, a in steps) > 0
+
+    fixed = _own(entropy_spec_server, PROMPTS[2], {"draft": "fixed", "max_draft_tokens": 2}, return_entropy=True)
+    assert fixed["output_ids"] == _greedy(server, PROMPTS[2])["output_ids"]
+    assert all(d == min(o, 2) for o, d, _ in _steps(fixed["meta_info"]))  # every offer verified, up to its cap
+
+
+def test_a_request_s_counts_match_its_per_token_traces_and_sglang_s_own(entropy_spec_server):
+    meta = _greedy(entropy_spec_server, PROMPTS[1], return_entropy=True)["meta_info"]
+    counts, steps = meta["entropic_speculative"], _steps(meta)
+    assert counts["decode_steps"] == len(steps) == meta["spec_verify_ct"]
+    assert counts["drafts_accepted"] == sum(a for *_, a in steps) == meta["spec_num_correct_drafts"]
+    assert sum(meta["from_draft"]) == counts["drafts_accepted"] and len(meta["from_draft"]) == 48
+    assert counts["accepted_per_verify"] == pytest.approx(counts["drafts_accepted"] / counts["verify_steps"])
+
+
+@pytest.mark.parametrize("spec, message", [({"max_draft_tokens": 4}, ".max_draft_tokens: at most 3"),
+                                           ({"draft": "acceptance"}, ".draft"), ("off", " must be a JSON object"),
+                                           ({"draft": "off", "cap": 1}, ".cap")])
+def test_a_bad_request_setting_is_http_400_naming_its_field(entropy_spec_server, spec, message):
+    r = entropy_spec_server.post("/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"entropic": {"speculative": spec}}}})
+    assert r.status_code == 400 and "custom_params.entropic.speculative" + message in r.text
+
+
+def test_a_server_without_speculation_refuses_a_rule_and_serves_an_opt_out(server):
+    def post(spec):
+        return server.post("/generate", {"text": "Hi", "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0, "custom_params": {"entropic": {"speculative": spec}}}})
+    r = post({"draft": "fixed"})
+    assert r.status_code == 400 and "speculative decoding is off on this server" in r.text
+    assert post({"draft": "off"}).status_code == 200  # greedy: `speculative` alone asks for no controller
+
+
+def test_openai_responses_carry_the_request_s_counts_and_its_drafted_tokens(entropy_spec_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=entropy_spec_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    body = {"return_entropy": True, "custom_params": {"entropic": {"speculative": {"max_draft_tokens": 2}}}}
+    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                         max_tokens=24, temperature=0, extra_body=body)
+    (entry,) = out.model_extra["sglext"]["entropic"]
+    assert len(entry["from_draft"]) == out.usage.completion_tokens
+    assert entry["speculative"]["decode_steps"] >= out.usage.completion_tokens // 3
+    with pytest.raises(openai.BadRequestError, match="custom_params.entropic.speculative.draft"):
+        client.completions.create(model="default", prompt="Hi", max_tokens=2,
+                                  extra_body={"custom_params": {"entropic": {"speculative": {"draft": "?"}}}})
+
+
+def test_an_external_corpus_drafts_exactly_and_leaves_with_its_removal(server, entropy_spec_server):
+    """SGLang's corpus endpoints under the plugin: an earlier answer loaded as a corpus drafts the same question's
+    answer (accepted drafts from the corpus, output unchanged); removed, the request drafts exactly as before it was
+    loaded; loaded again, as with it."""
+    url, question = entropy_spec_server.url, PROMPTS[2]
+    reference = _greedy(server, question)
+    before = _greedy(entropy_spec_server, question, return_entropy=True)["meta_info"]["entropic_speculative"]
+    assert before["corpus_verify_steps"] == 0
+
+    def add():
+        r = requests.post(url + "/add_external_corpus", json={"corpus_id": "answers", "documents": [reference["text"]]},
+                          timeout=60)
+        assert r.status_code == 200 and r.json()["loaded_token_count"] > 40, r.text
+
+    try:
+        add()
+        assert requests.get(url + "/list_external_corpora", timeout=30).json()["corpus_token_counts"]["answers"] > 40
+        with_corpus = _greedy(entropy_spec_server, question, return_entropy=True)
+        counts = with_corpus["meta_info"]["entropic_speculative"]
+        assert with_corpus["output_ids"] == reference["output_ids"]
+        assert counts["corpus_drafts_accepted"] > 0 and counts["drafts_accepted"] > before["drafts_accepted"]
+        r = requests.post(url + "/remove_external_corpus", json={"corpus_id": "answers"}, timeout=60)
+        assert r.status_code == 200, r.text
+        after = _greedy(entropy_spec_server, question, return_entropy=True)
+        assert after["output_ids"] == reference["output_ids"]
+        assert after["meta_info"]["entropic_speculative"] == before
+        add()
+        again = _greedy(entropy_spec_server, question, return_entropy=True)["meta_info"]["entropic_speculative"]
+        assert again == counts
+    finally:
+        requests.post(url + "/remove_external_corpus", json={"corpus_id": "answers"}, timeout=60)
+    totals = entropy_spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]["totals"]
+    assert 0 < totals["corpus_accepted"] <= totals["corpus_drafted"]

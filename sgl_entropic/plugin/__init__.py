@@ -115,6 +115,7 @@ def hook_table(config: EntropicConfig, times: Optional[timing.HookTimes] = None)
                  speculation.around_prepare_for_speculative_decoding, "scheduler"),
             Hook(worker + "forward_batch_generation", "around", speculation.around_forward_batch_generation,
                  "scheduler"),
+            Hook(worker + "_update_ngram_corpus", "around", speculation.around_update_ngram_corpus, "scheduler"),
             Hook(S + "speculative.eagle_utils.eagle_sample", "around", speculation.around_eagle_sample, "scheduler"),
             # SGLang's draft-slot allocation picks a Triton kernel unless the backend is named torch_native
             Hook(S + "mem_cache.allocation.get_last_loc", "around", speculation.around_get_last_loc, "scheduler"),

@@ -12,7 +12,7 @@ import logging
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.validation import request_controllers
+from sgl_entropic.plugin.validation import request_controllers, request_speculation_of
 from sgl_entropic.scheduling import model_scales
 
 logger = logging.getLogger("sgl_entropic")
@@ -37,10 +37,11 @@ def after_create_generation_req(req, scheduler, *args, **kwargs):
         _learn_model(rt, scheduler)
     try:
         controllers = request_controllers(req.sampling_params, rt.config)
+        speculation = request_speculation_of(req.sampling_params, rt.config)
     except ValueError as err:
         # Validated before in the tokenizer process; should a request get here unchecked, fail it, not the server.
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
-        controllers = (None, None)
+        controllers, speculation = (None, None), None
         req.set_finish_with_abort(str(err))
-    req.entropic = rt.new_request_state(*controllers)
+    req.entropic = rt.new_request_state(*controllers, speculation=speculation)
     return req

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sgl_entropic.speculative import offered_drafts
+
 # A request's trie holds this many n-gram nodes at most (about 60 MB); past it SGLang's trie drops the least
 # recently matched ones.
 MAX_NODES = 1 << 18
@@ -26,20 +28,39 @@ MAX_NODES = 1 << 18
 
 @dataclass
 class RequestTries:
-    """The running requests' own tries, by request id; a request's goes when it leaves the decode batch."""
+    """The running requests' own tries, by request id; a request's goes when it leaves the decode batch.
+
+    With external corpora loaded (SGLang's `--speculative-ngram-external-corpus-path`, `/add_external_corpus`) and
+    `--speculative-ngram-external-sam-budget` > 0, a row also matches them (SGLang's corpus object, whose own trie
+    is never fed in this mode: `around_update_ngram_corpus`) and drafts from whichever of the two offers more
+    (ties: its own trie). What it drafts then depends on the request and the corpora the operator loaded.
+    """
 
     tries: dict = field(default_factory=dict)
 
-    def drafts(self, worker, batch) -> tuple[np.ndarray, np.ndarray]:
+    def drafts(self, worker, batch, skip: frozenset = frozenset()) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+        """[bs, W] tokens, [bs, W, W] masks and whether each row's drafts came from a corpus; rows in `skip` (opted
+        out) get a tree of their root alone and keep no trie."""
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
         args, depth, width = worker.server_args, worker.max_trie_depth, worker.speculative_num_draft_tokens
         contexts = contexts_of(worker, batch)
         current = {req.rid for req in batch.reqs}
-        for rid in self.tries.keys() - current:
+        departed = self.tries.keys() - current
+        for rid in departed:
             del self.tries[rid]
-        drafts, masks = [], []
-        for req, tokens in zip(batch.reqs, contexts):
+        corpus = worker.ngram_corpus if args.speculative_ngram_external_sam_budget > 0 and \
+            worker.list_external_corpora() else None
+        if departed:
+            worker.ngram_corpus.erase_match_state(list(departed))
+        drafts, masks, from_corpus = [], [], []
+        for i, (req, tokens) in enumerate(zip(batch.reqs, contexts)):
+            if i in skip:
+                d, m = root_only(tokens[-1], width)
+                drafts.append(d)
+                masks.append(m)
+                from_corpus.append(False)
+                continue
             trie = self.tries.get(req.rid)
             if trie is None:
                 trie = self.tries[req.rid] = NgramCorpus(
@@ -55,9 +76,29 @@ class RequestTries:
             d, m = trie.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
             if not fed:  # this step's tail, inserted by SGLang's insert thread while the step runs
                 trie.batch_put([tokens[-depth:]])
+            used = False
+            if corpus is not None:
+                cd, cm = corpus.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
+                if offers_of(cd, cm, width) > offers_of(d, m, width):
+                    d, m, used = cd, cm, True
             drafts.append(d)
             masks.append(m)
-        return np.stack(drafts).reshape(len(contexts), width), np.stack(masks).reshape(len(contexts), width, width)
+            from_corpus.append(used)
+        n = len(contexts)
+        return np.stack(drafts).reshape(n, width), np.stack(masks).reshape(n, width, width), from_corpus
+
+
+def offers_of(tokens: np.ndarray, mask: np.ndarray, width: int) -> int:
+    return int(offered_drafts(tokens.reshape(1, width), mask.reshape(1, width, width))[0])
+
+
+def root_only(token: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tree that offers no draft, in the corpus's padded layout (`offered_drafts`)."""
+    tokens = np.zeros(width, dtype=np.int64)
+    tokens[0] = token
+    mask = np.eye(width, dtype=np.int64)
+    mask[:, 0] = 1
+    return tokens, mask
 
 
 def contexts_of(worker, batch) -> list[list[int]]:

@@ -2,7 +2,9 @@
 
 The scheduler appends per-token values to `req.customized_info`; SGLang ships them as
 `meta_info[key]` lists. Here the cumulative scalars become single floats, and the traces stay
-only for requests that asked (`return_entropy`, on HTTP or `sgl.Engine.generate`).
+only for requests that asked (`return_entropy`, on HTTP or `sgl.Engine.generate`). Under speculative decoding every
+request gets its own counts (`entropic_speculative`); one that asked also gets the per-step draft lists and
+`from_draft`, per token.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import contextvars
 
 from sgl_entropic.plugin import openai_ext
+from sgl_entropic.speculative import from_drafts, request_summary
 
 TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
+DRAFT_KEYS = ("offered", "drafted", "accepted", "draft_source")  # under speculation (sampling_step.NO_DRAFT)
 
 _engine_return_entropy = contextvars.ContextVar("sgl_entropic_return_entropy", default=False)
 
@@ -21,7 +25,13 @@ def after_update_request_meta_info(result, manager, meta_info, state, *args, **k
         values = meta_info.pop(internal, None)
         if values:
             meta_info[public] = values[-1]
-    if not getattr(state.obj, "return_entropy", False):
+    traced = getattr(state.obj, "return_entropy", False)
+    if "drafted" in meta_info:  # speculation: the request's own counts always, per token when asked
+        lists = [meta_info[k] if traced else meta_info.pop(k) for k in DRAFT_KEYS]
+        meta_info["entropic_speculative"] = request_summary(*lists)
+        if traced:
+            meta_info["from_draft"] = from_drafts(lists[1], lists[2])
+    if not traced:
         for key in TRACE_KEYS:
             meta_info.pop(key, None)
         return

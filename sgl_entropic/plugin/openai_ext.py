@@ -3,7 +3,8 @@
 Asked for with `"return_entropy": true` in the body (the OpenAI client's `extra_body`) or the header
 `x-sglext-return-entropy: 1` (SGLang's own x-sglext-* opt-in style). The request then runs with
 GenerateReqInput.return_entropy, and the response carries, in SGLang's response-level extension
-object, one entry per choice: {"index", "entropy", "surprisal", "temperature", "entropic_time"}.
+object, one entry per choice: {"index", "entropy", "surprisal", "temperature", "entropic_time"}, and under
+speculative decoding "speculative" (the request's counts) and "from_draft" (per token).
 Streaming responses (n = 1; SGLang gives parallel samples fresh request ids, which a stream cannot
 match) carry it in one chunk with no choices right before `data: [DONE]`, the way SGLang streams
 its other sglext fields. Requests that do not ask are left alone: the original
@@ -56,6 +57,9 @@ def after_convert_request(result, serving, request, raw_request=None, *args, **k
 def _choice(index: int, meta: dict) -> dict:
     entry = {"index": index, **{k: meta.get(k) for k in CHOICE_KEYS}}
     entry["entropic_time"] = meta.get("entropic_time")
+    if "entropic_speculative" in meta:  # under speculative decoding
+        entry["speculative"] = meta["entropic_speculative"]
+        entry["from_draft"] = meta.get("from_draft")
     return entry
 
 

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sgl_entropic.config import EntropicConfig
+from sgl_entropic.config import EntropicConfig, RequestSpeculation
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
@@ -40,6 +40,7 @@ class RequestState:
     parked_before_token: int = 0  # decode steps it was parked right before the token being sampled
     last_step_entropy: Optional[float] = None  # mean entropy of the tokens its last step committed (draft sizing)
     drafts: DraftHits = field(default_factory=DraftHits)  # its verified drafts (draft sizing)
+    speculation: Optional[RequestSpeculation] = None  # its own draft rule and cap (None: the server's)
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Runtime:
         if self.metrics is not None:
             self.metrics.degraded.labels(where=where).inc()
 
-    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState]) -> RequestState:
+    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState],
+                          speculation: Optional[RequestSpeculation] = None) -> RequestState:
         self.arrivals += 1
         state = RequestState(
             trace=EntropyTrace(keep_lists=False),
@@ -97,6 +99,7 @@ class Runtime:
             arrival_work=self.served,
             controller=controller,
             mirostat=mirostat,
+            speculation=speculation,
         )
         self.live_states.add(state)
         return state

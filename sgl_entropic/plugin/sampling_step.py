@@ -35,7 +35,9 @@ MIROSTAT_FIELDS = tuple(f.name for f in fields(MirostatBatch))
 _T, _STEPS = CONTROLLER_FIELDS.index("temperature"), CONTROLLER_FIELDS.index("steps_done")
 # Under speculative decoding every token carries its step's draft counts (on the step's first token): a
 # token sampled outside verification carries none, so that the per-token lists stay aligned.
-NO_DRAFT = {"drafted": None, "accepted": None}
+# Under speculation, each decode step's drafts on its first token (null on the others and on a prefill's token):
+# offered (its trie's match, within its cap), drafted (verified), accepted, and where they came from.
+NO_DRAFT = {"offered": None, "drafted": None, "accepted": None, "draft_source": None}
 
 
 @dataclass
@@ -172,6 +174,7 @@ class PendingRecord:
     ready: Optional[object]  # the CUDA event after the copy (None on CPU: the copy is done)
     seq_lens: list[int]
     parked: list[int]  # each row's decode-budget wait before this token, as it was when sampled
+    offers: Optional[list[int]] = None  # a plain step's: the drafts each row's trie offered (speculation.plain_step)
 
     def tokens(self) -> list[int]:
         """Tokens each row commits: one where it is recorded."""
@@ -199,10 +202,14 @@ class PendingRecord:
             cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction), self.seq_lens[i])
             record_token(rt, self.rows.reqs[i], state, tally, entropy[i], surprisal[i], valid[i] > 0, used_t[i], cost,
                          parked=self.parked[i], attended=fraction, decode=self.rows.decode,
-                         **(({"drafted": 0, "accepted": 0} if self.rows.decode else NO_DRAFT)  # a plain step
-                            if rt.config.speculative_on else {}))
+                         **(self.plain_drafts(i) if rt.config.speculative_on else {}))
             state.last_step_entropy = entropy[i] if valid[i] > 0 else None
         tally.report(rt)
+
+    def plain_drafts(self, i: int) -> dict:
+        if not self.rows.decode:
+            return NO_DRAFT
+        return {**NO_DRAFT, "offered": self.offers[i] if self.offers is not None else 0, "drafted": 0, "accepted": 0}
 
 
 @dataclass

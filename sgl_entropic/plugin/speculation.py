@@ -29,14 +29,14 @@ from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
 from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, NullRecord,
-                                               StepTally, committed_tokens, record_token)
+                                               PendingRecord, StepTally, committed_tokens, record_token)
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
 from sgl_entropic.transfer import to_device
 from sgl_entropic.plugin.drafts import RequestTries
 from sgl_entropic.plugin.step_costs import load_or_measure
-from sgl_entropic.speculative import (DraftSizer, StepCosts, draft_acceptance, draft_trials, offered_drafts,
-                                      tree_parents, tree_temperatures)
+from sgl_entropic.speculative import (DraftSizer, StepCosts, capped_candidates, draft_acceptance, draft_trials,
+                                      offered_drafts, tree_parents, tree_temperatures)
 
 
 @dataclass
@@ -49,7 +49,8 @@ class VerifyStep:
     mask: np.ndarray  # [bs, W, W]
     first_draft: np.ndarray  # [bs] each row's first offered draft, verified or not (draft_trials)
     plain: bool = False  # width 1 on the plain decode path (plain_step)
-    exact: list[int] = field(default_factory=list)  # rows with penalties: only their root can be accepted
+    caps: Optional[list[int]] = None  # each row's most drafts where a row's is below W - 1 (penalties: 0)
+    from_corpus: list[bool] = field(default_factory=list)  # rows whose drafts came from an external corpus
     parent: Optional[torch.Tensor] = None  # [bs, W] each node's parent (-1: the root), on the model's device
 
     @property
@@ -73,6 +74,8 @@ class Speculation:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0
+    corpus_drafted: int = 0  # of `drafted` and `accepted`, those from an external corpus (drafts.py)
+    corpus_accepted: int = 0
     shadow_tried: int = 0  # rows that verified no drafts but whose trie offered one (draft_trials)
     shadow_right: int = 0
 
@@ -88,7 +91,8 @@ class Speculation:
                 "step_costs": self.sizer.costs.table(),
                 "totals": {"verify_steps": self.steps, "plain_steps": self.plain_steps, "rows": self.rows,
                            "verified": self.verified, "drafted": self.drafted, "accepted": self.accepted,
-                           "committed": self.committed, "shadow_tried": self.shadow_tried,
+                           "committed": self.committed, "corpus_drafted": self.corpus_drafted,
+                           "corpus_accepted": self.corpus_accepted, "shadow_tried": self.shadow_tried,
                            "shadow_right": self.shadow_right}}
 
 
@@ -142,6 +146,14 @@ def around_forward_batch_generation(original, worker, batch, *args, **kwargs):
     return result
 
 
+def around_update_ngram_corpus(original, worker, batch, *args, **kwargs):
+    """SGLang feeds its shared trie each step; with each request's own trie (`speculative.drafts` 'request') it is
+    never read, and it must stay empty: its corpus object also serves the external corpora (`drafts.py`)."""
+    if runtime.current().speculation.tries is None:
+        return original(worker, batch, *args, **kwargs)
+    return None
+
+
 def around_prepare_for_speculative_decoding(original, worker, batch, *args, **kwargs):
     """SGLang's verify batch (`NGRAMWorker._prepare_for_speculative_decoding`), at the planned width."""
     rt = runtime.current()
@@ -160,23 +172,44 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     """This step's drafts (the trie's, as SGLang reads them) and the width the rule picks for them."""
     bs, full = len(batch.reqs), spec.sizer.max_width
     worker.draft_token_num = full  # the corpus returns full-width trees
+    states = [getattr(r, "entropic", None) for r in batch.reqs]
+    rules, caps = request_choices(states, spec.sizer.rule, full - 1)
+    for i, p in enumerate(penalized(batch.reqs)):
+        if p:  # they verify no drafts (verify(): the root only)
+            caps[i] = 0
     if spec.tries is None:
         drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
+        from_corpus = [False] * bs  # SGLang's own match mixes its trie and the corpora
     else:
-        drafts, mask = spec.tries.drafts(worker, batch)
+        drafts, mask, from_corpus = spec.tries.drafts(worker, batch,
+                                                      frozenset(i for i, r in enumerate(rules) if r == "off"))
         worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
-    exact = [i for i, p in enumerate(penalized(batch.reqs)) if p]  # verify no drafts (verify(): the root only)
-    offers = [0 if i in exact else k for i, k in enumerate(offered_drafts(drafts, mask).tolist())]
-    states = [getattr(r, "entropic", None) for r in batch.reqs]
+    offers = [min(k, c) for k, c in zip(offered_drafts(drafts, mask).tolist(), caps)]
     acceptance = [1.0 if s is None else draft_acceptance(s.last_step_entropy, s.drafts) for s in states]
     # the plain step where it serves the batch as plain decoding would: no logprobs or grammar (SGLang returns and
     # constrains them per verified node)
     plain = spec.plain_steps_served and not batch.return_logprob and not batch.has_grammar
-    width = spec.sizer.width(offers, acceptance, batch.seq_lens_cpu.tolist(), plain)
+    own_rules = None if all(r == spec.sizer.rule for r in rules) else rules
+    capped = None if all(c == full - 1 for c in caps) else caps
+    width = spec.sizer.width(offers, acceptance, batch.seq_lens_cpu.tolist(), plain, own_rules, capped)
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
     return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
-                      np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1, exact)
+                      np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1,
+                      None if capped is None or width == 1 else capped, from_corpus)
+
+
+def request_choices(states, rule: str, most: int) -> tuple[list[str], list[int]]:
+    """Each row's draft rule and most drafts a step: its request's own (`custom_params.entropic.speculative`), else
+    the server's; a cap of 0 is rule 'off' and rule 'off' a cap of 0."""
+    rules, caps = [], []
+    for state in states:
+        own = state.speculation if state is not None else None
+        r = (own.draft if own is not None else None) or rule
+        c = most if own is None or own.max_draft_tokens is None else min(own.max_draft_tokens, most)
+        rules.append("off" if c == 0 else r)
+        caps.append(0 if r == "off" else c)
+    return rules, caps
 
 
 def build_verify(rt: Runtime, step: VerifyStep, worker, batch) -> None:
@@ -241,6 +274,8 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
                                  pp_proxy_tensors=pp_proxy_tensors)
     finally:
         batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum = kept
+    if rt.pending and isinstance(rt.pending[-1], PendingRecord):  # this step's, queued by the sampler
+        rt.pending[-1].offers = step.offers
     predict = result.next_token_ids
     new_seq_lens = committed + 1
     accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
@@ -388,9 +423,8 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
             simple = not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling)
             target, _ = rt.speculation.sampler._sample_from_probs(probs, node_info, verify_input.positions, simple)
         candidates = verify_input.draft_token.view(bs, width)
-        if step.exact and width > 1:  # no draft of theirs can match: their root's token alone is committed
-            candidates = candidates.clone()
-            candidates[to_device(step.exact, candidates.device), 1:] = -1
+        if step.caps is not None:  # requests' own caps, penalized rows' 0
+            candidates = capped_candidates(candidates, step.caps)
         predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
         accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
         num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
@@ -501,7 +535,8 @@ class VerifyRecord:
                 ok = valid[i][j] > 0
                 record_token(rt, req, state, self.tally, entropy[i][j], surprisal[i][j], ok, used_t[i][j],
                              work if j == 0 else 0.0,
-                             **({"drafted": drafted[i], "accepted": accepted[i]} if j == 0 else NO_DRAFT))
+                             **(NO_DRAFT if j else {"offered": step.offers[i], "drafted": drafted[i],
+                                                    "accepted": accepted[i], "draft_source": source(step, i, drafted[i])}))
                 if ok:
                     measured.append(entropy[i][j])
             if state.controller is not None:
@@ -516,12 +551,22 @@ class VerifyRecord:
         spec.verified += step.width * len(accepted)
         spec.drafted += sum(drafted)
         spec.accepted += sum(accepted)
+        for i in (i for i, c in enumerate(step.from_corpus) if c and drafted[i]):
+            spec.corpus_drafted += drafted[i]
+            spec.corpus_accepted += accepted[i]
         spec.committed += sum(a + 1 for a in accepted)
         shadow = [i for i, d in enumerate(drafted) if d == 0 and tried[i]]
         spec.shadow_tried += len(shadow)
         spec.shadow_right += sum(right[i] for i in shadow)
         if rt.metrics is not None:
             rt.metrics.observe_verify(drafted, accepted, step.width)
+
+
+def source(step: VerifyStep, i: int, drafted: int) -> Optional[str]:
+    """Where row i's verified drafts came from: its trie (SGLang's, or its own), or an external corpus."""
+    if not drafted:
+        return None
+    return "corpus" if step.from_corpus and step.from_corpus[i] else "trie"
 
 
 PENALTIES = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sgl_entropic.config import EntropicConfig, SamplingConfig, request_sampling_config
+from sgl_entropic.config import (REQUEST_SPECULATIVE_KEY, SPECULATIVE_PARAMS_KEY, EntropicConfig, RequestSpeculation,
+                                 SamplingConfig, request_sampling_config, request_speculation)
 from sgl_entropic.plugin import runtime
 from sgl_entropic.sampling import ControllerState, MirostatState
 
@@ -25,7 +26,8 @@ LOGIT_BIAS_LIMIT = 1e30
 
 
 def check_custom_params_shape(custom_params: Any) -> None:
-    """custom_params crosses a msgspec IPC boundary: more than one level of nesting kills the scheduler."""
+    """custom_params crosses a msgspec IPC boundary: more than one level of nesting kills the scheduler. The one
+    exception, custom_params.entropic.speculative, travels one level up (`carry_speculation`)."""
     if custom_params is None:
         return
     if not isinstance(custom_params, dict):
@@ -33,13 +35,44 @@ def check_custom_params_shape(custom_params: Any) -> None:
     scalar = (type(None), bool, int, float, str)
     for key, value in custom_params.items():
         if isinstance(value, dict):
-            bad = [k for k, v in value.items() if not isinstance(v, scalar)]
+            bad = [k for k, v in value.items() if not isinstance(v, scalar)
+                   and not (key == ENTROPIC_KEY and k == REQUEST_SPECULATIVE_KEY and isinstance(v, dict)
+                            and all(isinstance(x, scalar) for x in v.values()))]
         elif isinstance(value, list):
             bad = [str(i) for i, v in enumerate(value) if not isinstance(v, scalar)]
         else:
             bad = []
         if bad:
             raise ValueError(f"custom_params.{key}.{bad[0]}: nested objects or lists are not allowed here")
+
+
+def carry_speculation(sampling_params) -> None:
+    """custom_params.entropic.speculative moves to custom_params.entropic_speculative, which SGLang's IPC carries; an
+    `entropic` object that held nothing else goes (it asked for no controller)."""
+    params = sampling_params.custom_params
+    entropic = (params or {}).get(ENTROPIC_KEY)
+    if not isinstance(entropic, dict) or REQUEST_SPECULATIVE_KEY not in entropic:
+        return
+    params = {k: v for k, v in params.items() if k != ENTROPIC_KEY}
+    rest = {k: v for k, v in entropic.items() if k != REQUEST_SPECULATIVE_KEY}
+    if rest:
+        params[ENTROPIC_KEY] = rest
+    if entropic[REQUEST_SPECULATIVE_KEY] is not None:  # null: as if left out
+        params[SPECULATIVE_PARAMS_KEY] = entropic[REQUEST_SPECULATIVE_KEY]
+    sampling_params.custom_params = params
+
+
+def request_speculation_of(sampling_params, config: EntropicConfig) -> Optional[RequestSpeculation]:
+    """The request's own speculation (None: the server's), or ValueError naming the field."""
+    value = (sampling_params.custom_params or {}).get(SPECULATIVE_PARAMS_KEY)
+    if value is None:
+        return None
+    max_drafts = None
+    if config.speculative_on:
+        from sglang.srt.runtime_context import get_server_args
+
+        max_drafts = get_server_args().speculative_num_draft_tokens - 1
+    return request_speculation(value, max_drafts, config.speculative_on and config.speculative.draft == "entropy")
 
 
 def check_logit_bias(logit_bias: Any) -> None:
@@ -176,6 +209,8 @@ def after_verify(result, sampling_params, *args, **kwargs):
     check_custom_params_shape(sampling_params.custom_params)
     check_logit_bias(sampling_params.logit_bias)
     config = runtime.current().config
+    carry_speculation(sampling_params)
+    request_speculation_of(sampling_params, config)
     _, mirostat = request_controllers(sampling_params, config)
     if config.speculative_on:
         from sgl_entropic.plugin.speculation import refuse_request

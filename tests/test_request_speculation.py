@@ -1,0 +1,105 @@
+"""One request's speculation on plain data: its settings checked at the edge, the step's width when requests choose
+their own rule or cap, verification within a cap, and the counts a request gets back from its traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
+from sgl_entropic.config import request_speculation
+from sgl_entropic.speculative import DraftSizer, StepCosts, capped_candidates, from_drafts, request_summary
+
+PREFIX = "custom_params.entropic.speculative"
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"draft": "sometimes"}, "draft"),
+    ({"draft": "acceptance"}, "draft"),  # the server's EMA over every request: not a request's rule
+    ({"max_draft_tokens": -1}, "max_draft_tokens"),
+    ({"max_draft_tokens": 2.5}, "max_draft_tokens"),
+    ({"max_draft_tokens": True}, "max_draft_tokens"),
+    ({"max_draft_tokens": 12}, "max_draft_tokens"),  # the server verifies at most 11 drafts a step
+    ({"width": 3}, "width"),
+])
+def test_a_bad_setting_is_an_error_naming_its_field(value, field):
+    with pytest.raises(ValueError, match=f"{PREFIX}.{field}"):
+        request_speculation(value, max_drafts=11, entropy_rule=True)
+
+
+def test_what_a_server_cannot_give_is_refused_and_what_it_can_is_kept():
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        request_speculation("off", 11, True)
+    with pytest.raises(ValueError, match=f"{PREFIX}.draft: speculative decoding is off"):
+        request_speculation({"draft": "fixed"}, None, False)
+    with pytest.raises(ValueError, match=f"{PREFIX}.draft: 'entropy' needs the server's cost table"):
+        request_speculation({"draft": "entropy"}, 11, False)
+    assert request_speculation({"draft": "off"}, None, False).draft == "off"  # nothing to opt out of: fine
+    spec = request_speculation({"draft": "matched", "max_draft_tokens": 11}, 11, False)
+    assert (spec.draft, spec.max_draft_tokens) == ("matched", 11)
+
+
+def costs(t0: float = 0.1, t_token: float = 0.02) -> StepCosts:
+    tokens = (1, 2, 4, 8, 16, 32, 64)
+    return StepCosts(tokens, tuple(t0 + t_token * (n - 1) for n in tokens), (256, 1024, 4096), (1, 12),
+                     ((0.0,) * 3, (0.0,) * 3))
+
+
+def test_rows_that_opt_out_never_widen_a_step_and_rows_on_the_server_s_rule_size_it_as_before():
+    sizer = DraftSizer("matched", 12, costs())
+    offers, sure, contexts = [5, 0, 3], [1.0] * 3, [100] * 3
+    assert sizer.width(offers, sure, contexts, rules=["matched"] * 3) == sizer.width(offers, sure, contexts) == 6
+    assert sizer.width([0, 0, 3], sure, contexts, rules=["off", "off", "matched"]) == 4
+    assert sizer.width([0, 0], sure[:2], contexts[:2], rules=["off", "off"]) == 1  # plain steps
+
+
+def test_each_rule_sizes_its_own_rows_and_the_step_takes_the_widest():
+    sizer = DraftSizer("entropy", 12, costs(0.1, 0.05))
+    contexts = [100, 100]
+    # an unsure row under the entropy rule alone runs plain steps; a fixed row of the same batch widens the step to
+    # its cap, and a matched row to what its trie offers
+    unsure = [0.05, 0.05]
+    assert sizer.width([6, 0], unsure, contexts) == 1
+    assert sizer.width([6, 0], unsure, contexts, rules=["entropy", "fixed"], caps=[11, 3]) == 4
+    assert sizer.width([6, 2], unsure, contexts, rules=["entropy", "matched"]) == 3
+    assert DraftSizer("fixed", 12).width([0], [1.0], [10], caps=[2]) == 3  # a fixed row verifies up to its cap
+
+
+def verified(tokens: torch.Tensor, target: torch.Tensor, caps=None) -> list[int]:
+    """Drafts each row accepts on a chain tree (node v's parent v - 1), with `caps` on its candidates."""
+    rows, width = tokens.shape
+    mask = torch.tril(torch.ones(width, width, dtype=torch.long))
+    positions = torch.empty(rows * width, dtype=torch.long)
+    index, first, sibling = (torch.empty(rows, width, dtype=torch.long) for _ in range(3))
+    reconstruct_indices_from_tree_mask(mask.repeat(rows, 1, 1).flatten(), torch.zeros(rows, dtype=torch.long),
+                                       positions, index, first, sibling, rows, width)
+    candidates = tokens if caps is None else capped_candidates(tokens, caps)
+    predict = torch.zeros(rows * width, dtype=torch.long)
+    accept = torch.full((rows, width), -1, dtype=torch.long)
+    correct = torch.zeros(rows, dtype=torch.long)
+    verify_tree_greedy_cpu(predict, accept, correct, candidates, index, first, sibling, target)
+    return correct.tolist()
+
+
+def test_verification_accepts_no_draft_past_a_row_s_cap():
+    # every draft is the model's next token: uncapped, all five are accepted
+    tokens = torch.tensor([[7, 1, 2, 3, 4, 5]] * 3)
+    target = torch.tensor([[1, 2, 3, 4, 5, 6]] * 3)
+    assert verified(tokens, target) == [5, 5, 5]
+    assert verified(tokens, target, caps=[0, 2, 5]) == [0, 2, 5]
+    wrong = target.clone()
+    wrong[:, 1] = 9  # the model departs after the first draft: the cap does not add anything
+    assert verified(tokens, wrong, caps=[5, 2, 0]) == [1, 1, 0]
+
+
+def test_a_request_s_counts_and_per_token_draft_flags_follow_its_traces():
+    # prefill token; a verify step with 3 drafts, 2 accepted (3 tokens); a plain step whose trie offered 4; a
+    # verify step from a corpus with 1 draft, 1 accepted (2 tokens)
+    offered = [None, 5, None, None, 4, 1, None]
+    drafted = [None, 3, None, None, 0, 1, None]
+    accepted = [None, 2, None, None, 0, 1, None]
+    source = [None, "trie", None, None, None, "corpus", None]
+    assert from_drafts(drafted, accepted) == [False, True, True, False, False, True, False]
+    assert request_summary(offered, drafted, accepted, source) == {
+        "decode_steps": 3, "verify_steps": 2, "drafts_offered": 10, "drafts_verified": 4, "drafts_accepted": 3,
+        "accepted_per_verify": 1.5, "corpus_verify_steps": 1, "corpus_drafts_accepted": 1}
