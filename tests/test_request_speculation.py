@@ -103,3 +103,17 @@ def test_a_request_s_counts_and_per_token_draft_flags_follow_its_traces():
     assert request_summary(offered, drafted, accepted, source) == {
         "decode_steps": 3, "verify_steps": 2, "drafts_offered": 10, "drafts_verified": 4, "drafts_accepted": 3,
         "accepted_per_verify": 1.5, "corpus_verify_steps": 1, "corpus_drafts_accepted": 1}
+
+
+def test_a_request_drafts_from_a_corpus_where_its_trie_offers_nothing_or_the_corpus_guesses_better():
+    from sgl_entropic.plugin.drafts import prefer_corpus
+    from sgl_entropic.speculative import DraftHits
+
+    fresh = DraftHits()
+    assert not prefer_corpus(3, 3, fresh, DraftHits())  # no evidence: its own trie
+    assert prefer_corpus(0, 2, fresh, DraftHits()) and not prefer_corpus(2, 0, fresh, DraftHits())
+    mine, its = DraftHits(), DraftHits()
+    for _ in range(4):  # the trie's first drafts keep missing the committed token, the corpus's keep hitting
+        mine.observe(1, 0)
+        its.observe(1, 1)
+    assert prefer_corpus(3, 1, mine, its) and not prefer_corpus(3, 1, its, mine)

@@ -16,10 +16,11 @@ Both return SGLang's layout: [bs, W] tokens (node 0 each row's last token) and [
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
-from sgl_entropic.speculative import offered_drafts
+from sgl_entropic.speculative import DraftHits, offered_drafts
 
 # A request's trie holds this many n-gram nodes at most (about 60 MB); past it SGLang's trie drops the least
 # recently matched ones.
@@ -32,15 +33,20 @@ class RequestTries:
 
     With external corpora loaded (SGLang's `--speculative-ngram-external-corpus-path`, `/add_external_corpus`) and
     `--speculative-ngram-external-sam-budget` > 0, a row also matches them (SGLang's corpus object, whose own trie
-    is never fed in this mode: `around_update_ngram_corpus`) and drafts from whichever of the two offers more
-    (ties: its own trie). What it drafts then depends on the request and the corpora the operator loaded.
+    is never fed in this mode: `around_update_ngram_corpus`). It drafts from its own trie unless that offers nothing
+    or the corpus has guessed its next token more often: every step both sources' first drafts are checked against
+    the token it commits (`observe`, free, as the rule's shadow trials), each in its own `DraftHits`. What a request
+    drafts then depends on it and on the corpora the operator loaded, never on other requests.
     """
 
     tries: dict = field(default_factory=dict)
+    hits: dict = field(default_factory=dict)  # rid -> (its trie's, the corpus's) first-draft record
 
-    def drafts(self, worker, batch, skip: frozenset = frozenset()) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-        """[bs, W] tokens, [bs, W, W] masks and whether each row's drafts came from a corpus; rows in `skip` (opted
-        out) get a tree of their root alone and keep no trie."""
+    def drafts(self, worker, batch, skip: frozenset = frozenset()) -> tuple[np.ndarray, np.ndarray, list[bool],
+                                                                            Optional[list]]:
+        """[bs, W] tokens, [bs, W, W] masks, whether each row's drafts came from a corpus, and with a corpus each
+        row's first draft from each source (-1: none; for `observe`); rows in `skip` (opted out) get a tree of
+        their root alone and keep no trie."""
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
         args, depth, width = worker.server_args, worker.max_trie_depth, worker.speculative_num_draft_tokens
@@ -49,17 +55,19 @@ class RequestTries:
         departed = self.tries.keys() - current
         for rid in departed:
             del self.tries[rid]
+            self.hits.pop(rid, None)
         corpus = worker.ngram_corpus if args.speculative_ngram_external_sam_budget > 0 and \
             worker.list_external_corpora() else None
         if departed:
             worker.ngram_corpus.erase_match_state(list(departed))
-        drafts, masks, from_corpus = [], [], []
+        drafts, masks, from_corpus, firsts = [], [], [], []
         for i, (req, tokens) in enumerate(zip(batch.reqs, contexts)):
             if i in skip:
                 d, m = root_only(tokens[-1], width)
                 drafts.append(d)
                 masks.append(m)
                 from_corpus.append(False)
+                firsts.append((-1, -1))
                 continue
             trie = self.tries.get(req.rid)
             if trie is None:
@@ -79,13 +87,32 @@ class RequestTries:
             used = False
             if corpus is not None:
                 cd, cm = corpus.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
-                if offers_of(cd, cm, width) > offers_of(d, m, width):
+                own, other = offers_of(d, m, width), offers_of(cd, cm, width)
+                mine, its = self.hits.setdefault(req.rid, (DraftHits(), DraftHits()))
+                firsts.append((int(d[1]) if own else -1, int(cd[1]) if other else -1))
+                if prefer_corpus(own, other, mine, its):
                     d, m, used = cd, cm, True
             drafts.append(d)
             masks.append(m)
             from_corpus.append(used)
         n = len(contexts)
-        return np.stack(drafts).reshape(n, width), np.stack(masks).reshape(n, width, width), from_corpus
+        return (np.stack(drafts).reshape(n, width), np.stack(masks).reshape(n, width, width), from_corpus,
+                firsts if corpus is not None else None)
+
+    def observe(self, rids: list[str], firsts: Optional[list], roots: list[int]) -> None:
+        """A step's committed first tokens against each source's first draft (`drafts`)."""
+        for rid, pair, root in zip(rids, firsts or (), roots):
+            record = self.hits.get(rid)
+            if record is not None:
+                for hits, token in zip(record, pair):
+                    if token >= 0:
+                        hits.observe(1, int(token == root))
+
+
+def prefer_corpus(own: int, other: int, mine: DraftHits, its: DraftHits) -> bool:
+    """Draft from the corpus (`other` drafts offered, its first-draft record `its`) rather than the request's own
+    trie (`own`, `mine`): where the trie offers nothing, or the corpus has been right more often."""
+    return other > 0 and (own == 0 or its.rate() > mine.rate())
 
 
 def offers_of(tokens: np.ndarray, mask: np.ndarray, width: int) -> int:

@@ -51,6 +51,8 @@ class VerifyStep:
     plain: bool = False  # width 1 on the plain decode path (plain_step)
     caps: Optional[list[int]] = None  # each row's most drafts where a row's is below W - 1 (penalties: 0)
     from_corpus: list[bool] = field(default_factory=list)  # rows whose drafts came from an external corpus
+    source_firsts: Optional[list] = None  # with a corpus: each row's first draft from its trie and from the corpus
+    rids: list[str] = field(default_factory=list)  # the rows' requests, where source_firsts is set
     parent: Optional[torch.Tensor] = None  # [bs, W] each node's parent (-1: the root), on the model's device
 
     @property
@@ -179,10 +181,10 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
             caps[i] = 0
     if spec.tries is None:
         drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
-        from_corpus = [False] * bs  # SGLang's own match mixes its trie and the corpora
+        from_corpus, firsts = [False] * bs, None  # SGLang's own match mixes its trie and the corpora
     else:
-        drafts, mask, from_corpus = spec.tries.drafts(worker, batch,
-                                                      frozenset(i for i, r in enumerate(rules) if r == "off"))
+        drafts, mask, from_corpus, firsts = spec.tries.drafts(
+            worker, batch, frozenset(i for i, r in enumerate(rules) if r == "off"))
         worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = [min(k, c) for k, c in zip(offered_drafts(drafts, mask).tolist(), caps)]
@@ -196,7 +198,8 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
     return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
                       np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1,
-                      None if capped is None or width == 1 else capped, from_corpus)
+                      None if capped is None or width == 1 else capped, from_corpus, firsts,
+                      [r.rid for r in batch.reqs] if firsts is not None else [])
 
 
 def request_choices(states, rule: str, most: int) -> tuple[list[str], list[int]]:
@@ -296,7 +299,10 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
     if spec.tries is None:
         rt.times.sglang(bookkeeping)
     try:  # each row's first offered draft against its token: the draft record follows the text (draft_trials)
-        tried, right = draft_trials([0] * bs, [0] * bs, step.offers, step.first_draft.tolist(), predict.tolist())
+        roots = predict.tolist()
+        tried, right = draft_trials([0] * bs, [0] * bs, step.offers, step.first_draft.tolist(), roots)
+        if step.source_firsts is not None:
+            spec.tries.observe(step.rids, step.source_firsts, roots)
         for req, t, r in zip(batch.reqs, tried, right):
             state = getattr(req, "entropic", None)
             if state is not None:
@@ -523,8 +529,10 @@ class VerifyRecord:
         accepted, counts = self.accepted, self.tokens()
         entropy, surprisal, valid, used_t, _, token = self.host.tolist()
         step, spec, drafted = self.step, rt.speculation, self.step.drafted
-        tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(),
-                                    [int(t[0]) for t in token])
+        roots = [int(t[0]) for t in token]
+        tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(), roots)
+        if step.source_firsts is not None:
+            spec.tries.observe(step.rids, step.source_firsts, roots)
         for i, state in enumerate(self.rows.states):
             req, n = self.rows.reqs[i], counts[i]
             if state is None:
