@@ -9,7 +9,7 @@ import torch
 
 from sgl_entropic.kernels import entropy_cpu
 from sgl_entropic.signal import TokenStats, entropy_exact, token_stats, token_stats_reference
-from tests.test_entropy_kernel import edge_case_batch
+from tests.logit_cases import edge_case_batch
 
 COMPILED = entropy_cpu.load()
 # scripts/setup.sh builds them, so CI (which runs it) fails rather than skips when they are missing

@@ -13,28 +13,9 @@ import pytest
 import torch
 
 from sgl_entropic.signal import TokenStats, token_stats, token_stats_reference
+from tests.logit_cases import NEG_INF, edge_case_batch
 
-NEG_INF = float("-inf")
-
-
-def edge_case_batch(vocab: int, dtype: torch.dtype, device: str = "cpu"):
-    """Rows that stress the kernel: masks, NaN, +inf, one finite entry, large logits, bad tokens."""
-    generator = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(8, vocab, generator=generator) * 3.0
-    logits[0, ::7] = NEG_INF  # masked entries, the row max in a late chunk
-    logits[0, vocab - 2] = 12.0
-    logits[1, vocab // 2] = float("nan")
-    logits[2] = NEG_INF
-    logits[2, vocab - 1] = 2.0  # a single allowed token, in the last (partial) chunk
-    logits[3] *= 10.0  # large logits: cancellation would show here
-    logits[4, 3] = float("inf")
-    logits[5] = NEG_INF
-    logits[6, 9] = NEG_INF  # the token itself is masked
-    tokens = torch.tensor([1, 0, vocab - 1, 5, 0, 0, 9, vocab])  # the last is out of range
-    inv_temperature = torch.tensor([1 / 0.7, 1.0, 1 / 1.3, 2.0, 1.0, 1.0, 1.0, 1.0])
-    valid = [True, False, True, True, False, False, False, False]
-    logits = logits.to(device=device, dtype=dtype)
-    return logits, tokens.to(device), inv_temperature.to(device), valid
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def assert_matches_reference(logits, tokens, inv_temperature, **kernel_options):
@@ -67,7 +48,8 @@ def check_under_interpreter() -> None:
 
 
 def test_kernel_matches_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}  # the script imports tests.logit_cases
     result = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
     )
