@@ -138,6 +138,12 @@ class _Batch:
     def prepare_for_decode(self):
         self.prepared += 1
 
+    def filter_batch(self, keep_indices):  # ScheduleBatch.filter_batch: the rows kept, in order
+        self.reqs = [self.reqs[i] for i in keep_indices]
+
+    def merge_batch(self, other):
+        self.reqs = self.reqs + other.reqs
+
 
 def test_parked_counts_are_cleared_once_the_batch_fits_the_budget_again():
     # A request parked in a busy period and then running alone must not report waits it never had.
@@ -145,7 +151,9 @@ def test_parked_counts_are_cleared_once_the_batch_fits_the_budget_again():
     scheduler = SimpleNamespace(require_mlp_sync=False)
     busy = _req(rt, "busy", 100, entropies=[4.0, 2.5, 3.8], output_len=3)
     quiet = _req(rt, "quiet", 100, entropies=[0.3, 0.2, 0.1], output_len=3)
-    scheduling_hooks.around_update_running_batch(lambda s, b: b, scheduler, _Batch([busy, quiet]))
+    decoding = scheduling_hooks.around_update_running_batch(lambda s, b: b, scheduler, _Batch([busy, quiet]))
+    assert not rt.degraded  # the split ran (a fault would decode the whole batch and pass unseen)
+    assert decoding.reqs == [busy] and decoding.prepared == 1 and rt.split.merged().reqs == [busy, quiet]
     rt.split = None
     assert quiet.entropic.decode_skips == 1  # parked this step
     # `busy` finished: `quiet` runs alone, the batch fits the budget, and it decodes every step.
