@@ -1,8 +1,7 @@
 """Micro loop: entropy-stabilised sampling, and Mirostat v2 as the anchor comparator.
 
 Pure torch; nothing here imports sglang. Every batched function works on tensors that live on
-the logits' device, loops over no rows in Python and never synchronises with the host; the one
-deliberate host sync is `ControllerBatch.write_back`.
+the logits' device, loops over no rows in Python and never synchronises with the host.
 
 Entropic controller
 -------------------
@@ -13,12 +12,14 @@ Per request the temperature is a control variable (entropies in nats)::
 Entropy ABOVE the target lowers T (commit), entropy BELOW the target raises T (explore). (The
 paper printed the opposite sign; that direction is unstable, see below.)
 
-Zero-lag use at each decode step, for the rows that have the controller on::
+Zero-lag use at each decode step, for the rows that have the controller on (the plugin keeps every
+request's state in a device table by request slot, `plugin/sampling_step.ControllerTable`, and
+gathers the step's rows from it)::
 
-    batch = ControllerBatch.from_rows(rows, logits.device)     # or keep it on device
+    batch = ControllerBatch(*table.index_select(1, slots))      # the rows' states, on the device
     temperature, probe = batch.step(logits)                     # probe at the state T, update
     ... sample this step from softmax(logits / temperature[:, None]) ...
-    batch.write_back(rows)                                      # the one host sync
+    table[...] = batch.temperature, batch.steps_done            # the state, back in the table
 
 `step` measures the probe entropy H(softmax(z / T_state)), computes T_new from it with
 `update_temperature`, and returns T_new: this step is sampled at T_new, and T_new is the state
@@ -246,7 +247,8 @@ class ControllerBatch:
     def from_rows(
         cls, rows: Sequence[ControllerState], device: Union[str, torch.device, None] = None
     ) -> "ControllerBatch":
-        """Gather the rows' states: one [8, B] host tensor, one host-to-device copy."""
+        """A batch of the rows' states (one [8, B] host tensor, one host-to-device copy): for callers that hold
+        states one by one (tests, benchmarks); the plugin keeps them on the device (module docstring)."""
         host = torch.tensor(
             [[float(getattr(r, f)) for r in rows] for f in _CONTROLLER_FIELDS], dtype=torch.float32
         ).reshape(len(_CONTROLLER_FIELDS), len(rows))
@@ -279,13 +281,6 @@ class ControllerBatch:
         self.temperature = new_t
         self.steps_done = self.steps_done + 1
         return new_t, probe
-
-    def write_back(self, rows: Sequence[ControllerState]) -> None:
-        """Copy temperature and steps_done back into the rows (the one host sync)."""
-        temps, steps = torch.stack([self.temperature, self.steps_done]).cpu().tolist()
-        for row, t, s in zip(rows, temps, steps):
-            row.temperature = float(t)
-            row.steps_done = int(s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +365,3 @@ class MirostatBatch:
         self.mu = mirostat_v2_update(self.mu, masked_logits, token_ids, self.tau, self.eta, valid)
         return self.mu
 
-    def write_back(self, rows: Sequence[MirostatState]) -> None:
-        for row, mu in zip(rows, self.mu.cpu().tolist()):
-            row.mu = float(mu)

@@ -95,7 +95,6 @@ __all__ = [
     "aged_priority",
     "sort_key",
     "order_waiting",
-    "retraction_order",
     "select_decode",
     "advance_skips",
     "model_scales",
@@ -215,52 +214,34 @@ class GainEstimator:
 # --------------------------------------------------------------------------- priority
 
 
-def _terms(view: RequestView, scales: Scales, cfg: SchedulingConfig) -> tuple[float, float, float]:
-    return view.work, view.kv_pages / scales.kv_ref_pages, max(0.0, 1.0 - view.age / cfg.max_wait)
-
-
-def _priority(view: RequestView, cfg: SchedulingConfig, scales: Scales) -> float:
-    c, m, lat = _terms(view, scales, cfg)
-    denom = cfg.alpha * c + cfg.beta * m + cfg.gamma * lat
-    return min(view.expected_gain, cfg.max_gain) / max(denom, MIN_DENOMINATOR)
-
-
-def _key(view: RequestView, cfg: SchedulingConfig, scales: Scales) -> tuple:
-    if view.age >= cfg.max_wait:
-        return (view.tier, 0, 0.0, view.arrival_seq, view.rid)
-    aged = _priority(view, cfg, scales) * (1.0 + view.age / cfg.max_wait)
-    return (view.tier, 1, -aged, view.arrival_seq, view.rid)
-
-
 def cost_terms(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> tuple[float, float, float]:
     """(C, M, L) of the denominator."""
-    return _terms(view, scales, cfg)
+    return view.work, view.kv_pages / scales.kv_ref_pages, max(0.0, 1.0 - view.age / cfg.max_wait)
 
 
 def priority(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> float:
     """pi(s) = min(E[dH], g_max) / (alpha*C + beta*M + gamma*L), without aging."""
-    return _priority(view, cfg, scales)
+    c, m, lat = cost_terms(view, cfg, scales)
+    denom = cfg.alpha * c + cfg.beta * m + cfg.gamma * lat
+    return min(view.expected_gain, cfg.max_gain) / max(denom, MIN_DENOMINATOR)
 
 
 def aged_priority(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> float:
     """Soft aging: pi(s) * (1 + age / A)."""
-    return _priority(view, cfg, scales) * (1.0 + view.age / cfg.max_wait)
+    return priority(view, cfg, scales) * (1.0 + view.age / cfg.max_wait)
 
 
 def sort_key(view: RequestView, cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> tuple:
     """Ascending key = best first: tier, then overdue (FIFO) before the rest (by aged pi)."""
-    return _key(view, cfg, scales)
+    if view.age >= cfg.max_wait:
+        return (view.tier, 0, 0.0, view.arrival_seq, view.rid)
+    return (view.tier, 1, -aged_priority(view, cfg, scales), view.arrival_seq, view.rid)
 
 
 def order_waiting(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[int]:
     """Indices into ``views``, best first (admit, or keep, in this order)."""
-    keys = [_key(v, cfg, scales) for v in views]
+    keys = [sort_key(v, cfg, scales) for v in views]
     return sorted(range(len(views)), key=keys.__getitem__)
-
-
-def retraction_order(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[int]:
-    """Indices into ``views``, worst first (retract in this order): the reverse of order_waiting."""
-    return order_waiting(views, cfg, scales)[::-1]
 
 
 def select_decode(views: Sequence[RequestView], cfg: SchedulingConfig, scales: Scales = DEFAULT_SCALES) -> list[bool]:
@@ -279,7 +260,7 @@ def select_decode(views: Sequence[RequestView], cfg: SchedulingConfig, scales: S
     free = budget - sum(mask)
     if free > 0:
         rest = [i for i in range(n) if not mask[i]]
-        rest.sort(key=lambda i: _key(views[i], cfg, scales))
+        rest.sort(key=lambda i: sort_key(views[i], cfg, scales))
         for i in rest[:free]:
             mask[i] = True
     return mask
