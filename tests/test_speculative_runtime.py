@@ -162,7 +162,14 @@ def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(
 
 
 def test_a_request_s_counts_match_its_per_token_traces_and_sglang_s_own(entropy_spec_server):
+    def signal():
+        return entropy_spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["signal"]
+
+    before = signal()
     meta = _greedy(entropy_spec_server, PROMPTS[1], return_entropy=True)["meta_info"]
+    after = signal()  # the server's totals (d tau/dC over a run) grow by the request's own
+    assert after["tau_nats"] - before["tau_nats"] == pytest.approx(meta["entropic_time"], rel=1e-4, abs=1e-6)
+    assert after["cost_flops"] > before["cost_flops"]
     counts, steps = meta["entropic_speculative"], _steps(meta)
     assert counts["decode_steps"] == len(steps) == meta["spec_verify_ct"]
     assert counts["drafts_accepted"] == sum(a for *_, a in steps) == meta["spec_num_correct_drafts"]

@@ -63,6 +63,9 @@ class Runtime:
     # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
     served: float = 0.0
     arrivals: int = 0
+    # The signal over every committed token so far: tau (nats) and the cost model's work C (FLOPs).
+    tau_total: float = 0.0
+    cost_total: float = 0.0
     # Per step: the rows of the batch the model runs (ForwardBatch.init_new -> attention -> sampler),
     # the batch being sampled (ModelRunner.sample -> Sampler.forward), and the decode budget's split
     # while SGLang runs one decode step (update_running_batch -> run_batch).

@@ -267,6 +267,8 @@ class StepTally:
     parked: int = 0
 
     def report(self, rt: Runtime) -> None:
+        rt.tau_total += self.tau
+        rt.cost_total += self.flops
         if rt.metrics is not None:
             rt.metrics.observe(self.measured, self.tau, self.flops, self.fractions, self.temperatures, self.parked)
 

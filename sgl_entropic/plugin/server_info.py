@@ -95,6 +95,7 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         # KV held by requests (the radix cache's evictable prefix pages are not "held")
         "kv_tokens_in_use": scheduler.max_total_num_tokens - allocator.available_size() - tree_cache.evictable_size(),
         "request_slots_in_use": scheduler.req_to_token_pool.size - scheduler.req_to_token_pool.available_size(),
+        "signal": {"tau_nats": rt.tau_total, "cost_flops": rt.cost_total},  # over every token: d tau/dC
         "plugin_time": rt.times.summary(),  # the hook handlers' own time per decode step (timing.py)
         "degraded_steps": dict(rt.degraded),  # faults in the plugin's step work, by where (Runtime.fault)
     }
