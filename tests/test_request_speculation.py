@@ -117,3 +117,27 @@ def test_a_request_drafts_from_a_corpus_where_its_trie_offers_nothing_or_the_cor
         mine.observe(1, 0)
         its.observe(1, 1)
     assert prefer_corpus(3, 1, mine, its) and not prefer_corpus(3, 1, its, mine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_row_s_context_is_the_tail_of_its_whole_token_list(overlap):
+    """The trie reads each row's last `depth` tokens and its length; only a new trie gets the whole list."""
+    import array
+    from types import SimpleNamespace
+
+    from sgl_entropic.plugin.drafts import contexts_of
+
+    depth, stride = 18, 4
+    rows = [(array.array("q", range(100, 100 + n)), list(range(7, 7 + k)), a)
+            for n, k, a in ((3000, 0, 1), (5, 3, 2), (40, 30, 1), (2, 0, 3))]
+    reqs = [SimpleNamespace(origin_input_ids_unpadded=p, output_ids=o) for p, o, _ in rows]
+    accepted = [[900 + i * 10 + j for j in range(stride)] for i in range(len(rows))]
+    info = SimpleNamespace(accept_tokens=torch.tensor(sum(accepted, [])),
+                           accept_lens=torch.tensor([a for *_, a in rows]))
+    batch = SimpleNamespace(reqs=reqs, spec_info=info, grammar_needs_sync=lambda: False)
+    worker = SimpleNamespace(enable_overlap=overlap, speculative_num_draft_tokens=stride)
+    contexts = contexts_of(worker, batch, depth, whole={1})
+    for (p, o, a), acc, ctx, i in zip(rows, accepted, contexts, range(len(rows))):
+        every = list(p) + o + (acc[:a] if overlap else [])
+        assert ctx.tail == every[-depth:] and ctx.length == len(every)
+        assert ctx.full == (every if i == 1 else None)

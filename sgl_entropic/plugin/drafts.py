@@ -50,43 +50,42 @@ class RequestTries:
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
         args, depth, width = worker.server_args, worker.max_trie_depth, worker.speculative_num_draft_tokens
-        contexts = contexts_of(worker, batch)
         current = {req.rid for req in batch.reqs}
         departed = self.tries.keys() - current
         for rid in departed:
             del self.tries[rid]
             self.hits.pop(rid, None)
+        new = {i for i, req in enumerate(batch.reqs) if i not in skip and req.rid not in self.tries}
+        contexts = contexts_of(worker, batch, depth, new)
         corpus = worker.ngram_corpus if args.speculative_ngram_external_sam_budget > 0 and \
             worker.list_external_corpora() else None
         if departed:
             worker.ngram_corpus.erase_match_state(list(departed))
         drafts, masks, from_corpus, firsts = [], [], [], []
-        for i, (req, tokens) in enumerate(zip(batch.reqs, contexts)):
+        for i, (req, ctx) in enumerate(zip(batch.reqs, contexts)):
             if i in skip:
-                d, m = root_only(tokens[-1], width)
+                d, m = root_only(ctx.tail[-1], width)
                 drafts.append(d)
                 masks.append(m)
                 from_corpus.append(False)
                 firsts.append((-1, -1))
                 continue
-            trie = self.tries.get(req.rid)
-            if trie is None:
+            if i in new:
                 trie = self.tries[req.rid] = NgramCorpus(
                     max_trie_depth=depth, min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
                     max_bfs_breadth=args.speculative_ngram_max_bfs_breadth, draft_token_num=width,
                     match_type=args.speculative_ngram_match_type,
-                    capacity=min(MAX_NODES, depth * (len(tokens) + 1024)))
-                trie.batch_put([tokens])
-                fed = True
+                    capacity=min(MAX_NODES, depth * (ctx.length + 1024)))
+                trie.batch_put([ctx.full])
             else:
-                fed = False
+                trie = self.tries[req.rid]
             trie.synchronize()  # the trie as of every insert before: the same drafts on every run
-            d, m = trie.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
-            if not fed:  # this step's tail, inserted by SGLang's insert thread while the step runs
-                trie.batch_put([tokens[-depth:]])
+            d, m = trie.batch_get([req.rid], [ctx.tail], [ctx.length])
+            if i not in new:  # this step's tail, inserted by SGLang's insert thread while the step runs
+                trie.batch_put([ctx.tail])
             used = False
             if corpus is not None:
-                cd, cm = corpus.batch_get([req.rid], [tokens[-depth:]], [len(tokens)])
+                cd, cm = corpus.batch_get([req.rid], [ctx.tail], [ctx.length])
                 own, other = offers_of(d, m, width), offers_of(cd, cm, width)
                 mine, its = self.hits.setdefault(req.rid, (DraftHits(), DraftHits()))
                 firsts.append((int(d[1]) if own else -1, int(cd[1]) if other else -1))
@@ -128,12 +127,36 @@ def root_only(token: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def contexts_of(worker, batch) -> list[list[int]]:
-    """Each row's tokens so far, prompt and output; under SGLang's overlap scheduler the last step's accepted tokens
-    are not in output_ids yet and come from the draft input, as in `NGRAMWorker._prepare_draft_tokens`."""
-    tokens = [list(r.origin_input_ids_unpadded) + list(r.output_ids) for r in batch.reqs]
+@dataclass
+class Context:
+    """A row's tokens so far as its trie needs them: the last `depth` (what a match reads and each step inserts), the
+    length, and all of them where a new trie takes the whole prompt (building the full list every step cost tens of
+    microseconds a row at a few thousand tokens)."""
+
+    tail: list[int]
+    length: int
+    full: Optional[list[int]] = None
+
+
+def contexts_of(worker, batch, depth: int, whole: set) -> list[Context]:
+    """Each row's context, prompt and output (all of it for the rows in `whole`); under SGLang's overlap scheduler
+    the last step's accepted tokens are not in output_ids yet and come from the draft input, as in
+    `NGRAMWorker._prepare_draft_tokens`."""
+    extra = [[] for _ in batch.reqs]
     if worker.enable_overlap and not batch.grammar_needs_sync():
         info, stride = batch.spec_info, worker.speculative_num_draft_tokens
         ids, lens = info.accept_tokens.cpu().tolist(), info.accept_lens.cpu().tolist()
-        tokens = [t + ids[i * stride: i * stride + lens[i]] for i, t in enumerate(tokens)]
-    return tokens
+        extra = [ids[i * stride: i * stride + lens[i]] for i in range(len(batch.reqs))]
+    out = []
+    for i, (r, more) in enumerate(zip(batch.reqs, extra)):
+        prompt, output = r.origin_input_ids_unpadded, r.output_ids
+        length = len(prompt) + len(output) + len(more)
+        if i in whole:
+            full = list(prompt) + list(output) + more
+            out.append(Context(full[-depth:], length, full))
+            continue
+        tail = list(output[-depth:]) + more
+        if len(tail) < depth:
+            tail = list(prompt[len(tail) - depth:]) + tail
+        out.append(Context(tail[-depth:], length))
+    return out
