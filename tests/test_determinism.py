@@ -25,9 +25,15 @@ def outputs(srv) -> list[list[list[int]]]:
              for text in real_prompts()] for _ in range(RUNS)]
 
 
+def capped(srv, drafts: int):
+    return srv.post("/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"entropic": {"speculative": {"max_draft_tokens": drafts}}}}})
+
+
 def test_bf16_greedy_output_is_the_same_on_every_run_and_after_a_restart(tmp_path):
+    """The default as a user launches it (SGLang's NGRAM width left to its default, 12 nodes)."""
     cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--entropic-config",
-           json.dumps({"pruning": PRUNING}), "--speculative-num-draft-tokens", "4", *BF16_ARGS]
+           json.dumps({"pruning": PRUNING}), *BF16_ARGS]
     launches, logs = [], []
     for i in range(2):
         log = tmp_path / f"launch{i}" / "server.log"
@@ -35,6 +41,10 @@ def test_bf16_greedy_output_is_the_same_on_every_run_and_after_a_restart(tmp_pat
         srv = start_server(cmd, log)
         try:
             launches.append(outputs(srv))
+            if i == 0:  # a request's cap is checked against the width SGLang resolved (its flag left unset)
+                assert capped(srv, 11).status_code == 200
+                r = capped(srv, 12)
+                assert r.status_code == 400 and "max_draft_tokens: at most 11" in r.text
             totals = srv.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]["totals"]
         finally:
             stop_server(srv.proc)

@@ -68,10 +68,10 @@ def request_speculation_of(sampling_params, config: EntropicConfig) -> Optional[
     if value is None:
         return None
     max_drafts = None
-    if config.speculative_on:
-        from sglang.srt.runtime_context import get_server_args
+    if config.speculative_on:  # SGLang's resolved value (the server argument stays None when left to NGRAM's default)
+        from sglang.srt.runtime_context import get_spec
 
-        max_drafts = get_server_args().speculative_num_draft_tokens - 1
+        max_drafts = get_spec().speculative_num_draft_tokens - 1
     return request_speculation(value, max_drafts, config.speculative_on and config.speculative.draft == "entropy")
 
 
