@@ -10,6 +10,9 @@ Configurations (each a server, started per round in a rotated order, its warm-up
                  the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
   entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/speculative.py), at most 12
+  signal         `--entropic signal`: no loop, the signal recorded; as signal@<stock's dtype> its greedy text is
+                 stock's, so its tau over the run is stock's (d tau/dC of the stock column: tau over stock's
+                 duration, and over the cost model's work of plain decoding)
   <config>@<dtype>  that configuration in another dtype than --dtype's (e.g. stock@float32: stock's best on a CPU
                  whose bf16 attention is slow)
 With pruning (`full`), verify steps attend densely; `ours` prunes where its start-up probe found it pays
@@ -23,7 +26,11 @@ configuration the same tokens):
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
   long   (asked for by name) the doc questions over two essays at once, 5-7.5k tokens: where `ours` prunes and
          speculation's verify steps do not
-Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 end-to-end latency; from the server, the verify
+  random SGLang's `random` dataset (token ids drawn from the MT-Bench conversations, 512-1024 tokens in, up to 128
+         out)
+Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 and p99 end-to-end latency; d tau/dC from the
+server's signal totals (`/server_info` entropic.signal: tau per GFLOP of the cost model's work, a verify over W
+nodes counted as W tokens' work, and tau per second of the run); from the server, the verify
 steps' widths, drafts and accepted drafts (`/server_info` before and after), tokens committed per verify and
 verified per committed token, and the plugin's own time per decode step. Medians over rounds with min-max, each
 round's ratio to stock of that round, and the rules' ratio to the best fixed length of that round.
@@ -52,11 +59,11 @@ from full_system import plugin_time, plugin_time_during
 
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
-WORKLOADS = ("agent", "doc", "chat", "long")
+WORKLOADS = ("agent", "doc", "chat", "long", "random")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32}, "doc": {1: 4, 4: 4, 8: 6}, "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
-    "long": {1: 2, 8: 8}}
-OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128}  # the most a turn or answer may take
+    "long": {1: 2, 8: 8}, "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32}}
+OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128, "random": 128}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
 
@@ -156,6 +163,10 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
     if workload == "agent":
         return ["--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path",
                 str(files["agent"]), *common_args]
+    if workload == "random":
+        return ["--backend", "sglang", "--dataset-name", "random", "--dataset-path", str(files["random"]),
+                "--random-input-len", "1024", "--random-output-len", str(out), "--random-range-ratio", "0.5",
+                *common_args]
     if workload in ("doc", "long"):
         return ["--backend", "sglang", "--dataset-name", "custom", "--dataset-path", str(files[workload]),
                 "--apply-chat-template", *common_args]
@@ -174,8 +185,8 @@ def run_bench(url: str, model: str, workload: str, concurrency: int, files: dict
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {out.with_suffix('.log')}")
     r = json.loads(out.read_text().strip().splitlines()[-1])
-    keep = ("output_throughput", "median_e2e_latency_ms", "median_tpot_ms", "mean_tpot_ms", "median_ttft_ms",
-            "completed", "total_output_tokens", "duration")
+    keep = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_tpot_ms", "mean_tpot_ms",
+            "median_ttft_ms", "completed", "total_output_tokens", "duration")
     return {k: r[k] for k in keep}
 
 
@@ -185,6 +196,11 @@ def run_bench(url: str, model: str, workload: str, concurrency: int, files: dict
 def speculative(info: dict) -> dict:
     states = info.get("internal_states") or [{}]
     return (states[0].get("entropic") or {}).get("speculative") or {}
+
+
+def signal_totals(info: dict) -> Optional[dict]:
+    states = info.get("internal_states") or [{}]
+    return (states[0].get("entropic") or {}).get("signal")
 
 
 def pruning_from(info: dict) -> object:
@@ -215,6 +231,8 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
         return common.stock_command(port, common_args)
     if config == "ours":
         return common.ours_command(port, common_args, "full", {"speculative": {"draft": "off"}})
+    if config == "signal":
+        return common.ours_command(port, common_args, "signal")
     if config == "default":
         return common.ours_command(port, common_args, "full")
     if config == "corpus":
@@ -274,6 +292,7 @@ def main() -> None:
     make = {"agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
             "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
             "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
+            "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
             "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2)}
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
     if "corpus" in configs:
@@ -290,9 +309,11 @@ def main() -> None:
                 for w in workloads:
                     for c in concurrencies:
                         info = srv.info()
-                        before, spec_before = plugin_time(info), speculative(info)
+                        before, spec_before, signal_before = plugin_time(info), speculative(info), signal_totals(info)
                         r = run_bench(srv.url, model, w, c, files, config)
                         info = srv.info()
+                        if signal_before is not None:
+                            r["signal"] = {k: signal_totals(info)[k] - signal_before[k] for k in signal_before}
                         if before is not None:
                             r["plugin_time"] = plugin_time_during(before, plugin_time(info))
                         r["speculative"] = spec_during(spec_before, speculative(info))
@@ -367,7 +388,8 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                 entry = {}
                 for name, value in (("tok_s", lambda r: r["output_throughput"]),
                                     ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
-                                    ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0)):
+                                    ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0),
+                                    ("p99_e2e_s", lambda r: r["p99_e2e_latency_ms"] / 1000.0)):
                     entry[name] = _spread([value(r) for r in mine])
                     for base, label in comparisons(config, best, configs):
                         others = by_round(base)
@@ -382,6 +404,16 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                 if any(s.get("corpus_drafted") for s in specs):  # of the accepted drafts, the corpus's share
                     entry["corpus_share_of_accepted"] = _spread([s["corpus_accepted"] / max(s["accepted"], 1)
                                                                  for s in specs])
+                taus = signal_of(config, by_round, configs)
+                if taus:
+                    entry["dtau_dc_per_gflop"] = _spread([t * 1e9 / f for t, f, _ in taus.values()])
+                    entry["tau_per_s"] = _spread([t / d for t, _, d in taus.values()])
+                    for base, label in comparisons(config, best, configs):
+                        theirs = signal_of(base, by_round, configs)
+                        ratios = [(t / d) / (theirs[k][0] / theirs[k][2]) for k, (t, _, d) in taus.items()
+                                  if k in theirs]
+                        if ratios:
+                            entry["tau_per_s"][label] = _spread(ratios)
                 shares = [r["plugin_time"]["mean_share"] for r in mine if r.get("plugin_time", {}).get("steps")]
                 if shares:
                     entry["plugin_share"] = _spread(shares)
@@ -389,17 +421,34 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                 summary[key][config] = entry
                 name = config + (" (best fixed)" if config == best else "")
                 rows.append([name, len(mine), _cell(entry["tok_s"]), _cell(entry["decode_tok_s"]),
-                             _cell(entry["p50_e2e_s"]), _plain(entry.get("accepted_per_verify")),
-                             _plain(entry.get("verified_per_committed")), _plain(entry.get("mean_width")),
+                             _cell(entry["p50_e2e_s"]), _plain(entry["p99_e2e_s"]),
+                             _plain(entry.get("accepted_per_verify")), _plain(entry.get("verified_per_committed")),
+                             _plain(entry.get("mean_width")), _plain(entry.get("dtau_dc_per_gflop"), 1000),
+                             _cell(entry["tau_per_s"]) if "tau_per_s" in entry else "-",
                              _plain(entry.get("plugin_share"), 100)])
             summary[key]["best_fixed"] = best
             text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
-                ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s",
-                 "accepted drafts per verify", "verified per committed", "width", "plugin % of step"], rows))
+                ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s", "p99 E2E s",
+                 "accepted drafts per verify", "verified per committed", "width", "d tau/dC (nats per TFLOP)",
+                 "tau per s (nats)", "plugin % of step"], rows))
     legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
               "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
               "speculation), x default (for corpus).")
     return summary, legend + "\n\n" + "\n\n".join(text)
+
+
+def signal_of(config: str, by_round, configs: list[str]) -> dict[int, tuple[float, float, float]]:
+    """(tau, cost FLOPs, duration s) of each round's run of `config`. Stock records no signal: its tau and work are
+    those of signal@<its dtype> in the same round (the same greedy text, plain decode steps), over stock's own
+    duration."""
+    name, _, dtype = config.partition("@")
+    runs = by_round(config)
+    if name == "stock":
+        twin = by_round(f"signal@{dtype}" if dtype else "signal")
+        return {k: (twin[k]["signal"]["tau_nats"], twin[k]["signal"]["cost_flops"], r["duration"])
+                for k, r in runs.items() if twin.get(k, {}).get("signal")}
+    return {k: (r["signal"]["tau_nats"], r["signal"]["cost_flops"], r["duration"]) for k, r in runs.items()
+            if r.get("signal") and r["signal"]["cost_flops"] > 0}
 
 
 def _spread(vals: list[float]) -> dict:
