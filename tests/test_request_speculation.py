@@ -141,3 +141,30 @@ def test_a_row_s_context_is_the_tail_of_its_whole_token_list(overlap):
         every = list(p) + o + (acc[:a] if overlap else [])
         assert ctx.tail == every[-depth:] and ctx.length == len(every)
         assert ctx.full == (every if i == 1 else None)
+
+
+def test_a_batch_mixing_opted_out_rows_with_drafting_ones_gets_one_tree_each():
+    """Each running request's own trie (SGLang's C++ n-gram corpus) beside rows that opted out: one tree a row, in
+    the corpus's layout, the opted-out rows' offering nothing (a mismatch here once cost every such step its plan)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+    from sgl_entropic.plugin.drafts import RequestTries
+    from sgl_entropic.speculative import offered_drafts
+
+    width, depth = 6, 18
+    args = SimpleNamespace(speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=1,
+                           speculative_ngram_match_type="BFS", speculative_ngram_external_sam_budget=0)
+    worker = SimpleNamespace(server_args=args, max_trie_depth=depth, speculative_num_draft_tokens=width,
+                             enable_overlap=False, list_external_corpora=lambda: {},
+                             ngram_corpus=NgramCorpus(max_trie_depth=depth, draft_token_num=width, capacity=1000))
+    text = [5, 6, 7, 8, 9, 10, 11, 12] * 4  # a repeated phrase: its own trie drafts its continuation
+    reqs = [SimpleNamespace(rid=f"r{i}", origin_input_ids_unpadded=text, output_ids=[5, 6, 7]) for i in range(3)]
+    batch = SimpleNamespace(reqs=reqs, grammar_needs_sync=lambda: False)
+    tries = RequestTries()
+    for _ in range(2):  # a new trie's first step, then a step that feeds it
+        drafts, masks, from_corpus, firsts = tries.drafts(worker, batch, skip=frozenset({1}))
+        assert drafts.shape == (3, width) and masks.shape == (3, width, width) and firsts is None
+        assert offered_drafts(drafts, masks).tolist() == [width - 1, 0, width - 1]
+        assert drafts[1, 0] == 7 and set(tries.tries) == {"r0", "r2"} and from_corpus == [False] * 3

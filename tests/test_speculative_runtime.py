@@ -151,6 +151,16 @@ def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(
     assert counts["verify_steps"] == counts["drafts_offered"] == 0 and counts["decode_steps"] == 47
     assert "drafted" not in out["meta_info"]  # the per-token lists only when asked
 
+    # beside a request that drafts, in one batch: both exact, and no step lost its plan
+    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    pair = entropy_spec_server.generate({"text": [PROMPTS[0]] * 2, "sampling_params": [
+        {**params, "custom_params": {"entropic": {"speculative": {"draft": "off"}}}}, params]})
+    assert [o["output_ids"] for o in pair] == [reference] * 2
+    assert pair[0]["meta_info"]["entropic_speculative"]["verify_steps"] == 0
+    assert pair[1]["meta_info"]["entropic_speculative"]["drafts_accepted"] > 0
+    info = entropy_spec_server.get("/server_info").json()["internal_states"][0]["entropic"]
+    assert not info["degraded_steps"]
+
     capped = _own(entropy_spec_server, PROMPTS[0], {"max_draft_tokens": 1}, return_entropy=True)
     steps = _steps(capped["meta_info"])
     assert capped["output_ids"] == reference

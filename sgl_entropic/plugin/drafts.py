@@ -119,12 +119,13 @@ def offers_of(tokens: np.ndarray, mask: np.ndarray, width: int) -> int:
 
 
 def root_only(token: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """A tree that offers no draft, in the corpus's padded layout (`offered_drafts`)."""
+    """A tree that offers no draft, in the corpus's padded layout (`offered_drafts`; the mask flat, as it returns
+    it)."""
     tokens = np.zeros(width, dtype=np.int64)
     tokens[0] = token
     mask = np.eye(width, dtype=np.int64)
     mask[:, 0] = 1
-    return tokens, mask
+    return tokens, mask.reshape(-1)
 
 
 @dataclass
