@@ -40,3 +40,21 @@ def test_the_readme_is_short_and_has_no_placeholder():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200
     assert "TBD" not in text and "TBD" not in "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))
+
+
+def test_the_step_tables_name_every_hook_and_nothing_else():
+    """docs/architecture.md's "One step, hook by hook": every hook of the widest configuration (all loops, the
+    decode budget, speculation), each row's kind and module those of the hook table."""
+    import re
+
+    from sgl_entropic.config import EntropicConfig
+    from sgl_entropic.plugin import hook_table
+
+    config = EntropicConfig.model_validate({"mode": "full", "scheduling": {"decode_budget": 4},
+                                            "speculative": {"algorithm": "NGRAM", "draft": "entropy"}})
+    want = {(".".join(h.target.split(".")[-2:]), h.kind, h.handler.__module__.rsplit(".", 1)[1])
+            for h in hook_table(config)}
+    section = (ROOT / "docs" / "architecture.md").read_text().split("## One step, hook by hook", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = re.findall(r"^\|(?: [0-9a-e]+ \|)? `([\w.]+)` \| (\w+) \| `(\w+)` \|", section, re.M)
+    assert len(rows) == len(set(rows)) and set(rows) == want
