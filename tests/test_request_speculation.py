@@ -168,3 +168,13 @@ def test_a_batch_mixing_opted_out_rows_with_drafting_ones_gets_one_tree_each():
         assert drafts.shape == (3, width) and masks.shape == (3, width, width) and firsts is None
         assert offered_drafts(drafts, masks).tolist() == [width - 1, 0, width - 1]
         assert drafts[1, 0] == 7 and set(tries.tries) == {"r0", "r2"} and from_corpus == [False] * 3
+
+
+def test_a_program_s_gen_carries_its_speculation_as_plain_json():
+    import sgl_entropic
+
+    expr = sgl_entropic.gen("answer", max_tokens=8, speculative={"max_draft_tokens": 2})
+    kwargs = expr.sampling_params.to_srt_kwargs()  # what RuntimeEndpoint and EngineBackend send
+    assert kwargs["custom_params"] == {"entropic": {"speculative": {"max_draft_tokens": 2}}}
+    with pytest.raises(ValueError, match="sgl_entropic.gen.draft"):
+        sgl_entropic.gen("answer", speculative={"draft": "sometimes"})
