@@ -49,6 +49,7 @@ def _admission_scenario(url: str) -> tuple[float, list[float]]:
     return times["long"], [times[f"s{i}"] for i in range(4)]
 
 
+@pytest.mark.slow  # a timed load scenario on two servers (about a minute on 2 cores)
 def test_waiting_short_prompts_overtake_a_long_one_only_under_the_entropic_policy(server, stock_server):
     long_t, short_t = _admission_scenario(server.url)
     # cheap prefills admitted first (pi, with aging): served well before the long prompt's ~12 chunks
