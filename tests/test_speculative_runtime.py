@@ -139,20 +139,23 @@ def _steps(meta) -> list[tuple[int, int, int]]:
     return [(o, d, a) for o, d, a in zip(meta["offered"], meta["drafted"], meta["accepted"]) if d is not None]
 
 
+N = 32
+
+
 def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(server, entropy_spec_server):
-    reference = _greedy(server, PROMPTS[0])["output_ids"]
-    base = _greedy(entropy_spec_server, PROMPTS[0], return_entropy=True)
+    reference = _greedy(server, PROMPTS[0], N)["output_ids"]  # shorter than the others: the tier's time
+    base = _greedy(entropy_spec_server, PROMPTS[0], N, return_entropy=True)
     assert base["output_ids"] == reference and base["meta_info"]["entropic_speculative"]["drafts_accepted"] > 0
     assert any(o > 0 and d == 0 for o, d, _ in _steps(base["meta_info"]))  # the entropy rule passes some offers up
 
-    out = _own(entropy_spec_server, PROMPTS[0], {"draft": "off"})
+    out = _own(entropy_spec_server, PROMPTS[0], {"draft": "off"}, N)
     counts = out["meta_info"]["entropic_speculative"]
     assert out["output_ids"] == reference
-    assert counts["verify_steps"] == counts["drafts_offered"] == 0 and counts["decode_steps"] == 47
+    assert counts["verify_steps"] == counts["drafts_offered"] == 0 and counts["decode_steps"] == N - 1
     assert "drafted" not in out["meta_info"]  # the per-token lists only when asked
 
     # beside a request that drafts, in one batch: both exact, and no step lost its plan
-    params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
     pair = entropy_spec_server.generate({"text": [PROMPTS[0]] * 2, "sampling_params": [
         {**params, "custom_params": {"entropic": {"speculative": {"draft": "off"}}}}, params]})
     assert [o["output_ids"] for o in pair] == [reference] * 2
@@ -161,13 +164,13 @@ def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(
     info = entropy_spec_server.get("/server_info").json()["internal_states"][0]["entropic"]
     assert not info["degraded_steps"]
 
-    capped = _own(entropy_spec_server, PROMPTS[0], {"max_draft_tokens": 1}, return_entropy=True)
+    capped = _own(entropy_spec_server, PROMPTS[0], {"max_draft_tokens": 1}, N, return_entropy=True)
     steps = _steps(capped["meta_info"])
     assert capped["output_ids"] == reference
     assert all(d <= 1 and o <= 1 for o, d, _ in steps) and sum(a for *_, a in steps) > 0
 
-    fixed = _own(entropy_spec_server, PROMPTS[2], {"draft": "fixed", "max_draft_tokens": 2}, return_entropy=True)
-    assert fixed["output_ids"] == _greedy(server, PROMPTS[2])["output_ids"]
+    fixed = _own(entropy_spec_server, PROMPTS[2], {"draft": "fixed", "max_draft_tokens": 2}, N, return_entropy=True)
+    assert fixed["output_ids"] == _greedy(server, PROMPTS[2], N)["output_ids"]
     assert all(d == min(o, 2) for o, d, _ in _steps(fixed["meta_info"]))  # every offer verified, up to its cap
 
 
