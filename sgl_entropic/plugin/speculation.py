@@ -52,7 +52,6 @@ class VerifyStep:
     caps: Optional[list[int]] = None  # each row's most drafts where a row's is below W - 1 (penalties: 0)
     from_corpus: list[bool] = field(default_factory=list)  # rows whose drafts came from an external corpus
     source_firsts: Optional[list] = None  # with a corpus: each row's first draft from its trie and from the corpus
-    rids: list[str] = field(default_factory=list)  # the rows' requests, where source_firsts is set
     parent: Optional[torch.Tensor] = None  # [bs, W] each node's parent (-1: the root), on the model's device
 
     @property
@@ -198,8 +197,7 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
     return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
                       np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1,
-                      None if capped is None or width == 1 else capped, from_corpus, firsts,
-                      [r.rid for r in batch.reqs] if firsts is not None else [])
+                      None if capped is None or width == 1 else capped, from_corpus, firsts)
 
 
 def request_choices(states, rule: str, most: int) -> tuple[list[str], list[int]]:
@@ -302,7 +300,7 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
         roots = predict.tolist()
         tried, right = draft_trials([0] * bs, [0] * bs, step.offers, step.first_draft.tolist(), roots)
         if step.source_firsts is not None:
-            spec.tries.observe(step.rids, step.source_firsts, roots)
+            spec.tries.observe([r.rid for r in batch.reqs], step.source_firsts, roots)
         for req, t, r in zip(batch.reqs, tried, right):
             state = getattr(req, "entropic", None)
             if state is not None:
@@ -532,7 +530,7 @@ class VerifyRecord:
         roots = [int(t[0]) for t in token]
         tried, right = draft_trials(drafted, accepted, step.offers, step.first_draft.tolist(), roots)
         if step.source_firsts is not None:
-            spec.tries.observe(step.rids, step.source_firsts, roots)
+            spec.tries.observe([r.rid for r in self.rows.reqs], step.source_firsts, roots)
         for i, state in enumerate(self.rows.states):
             req, n = self.rows.reqs[i], counts[i]
             if state is None:
