@@ -119,22 +119,46 @@ def burst(url: str, payloads: list[dict], timeout_s: float = 3600) -> list[dict]
     return recs
 
 
-def chat_workload(url: str, questions: list[dict], max_tokens: int, traces: bool, entropic_sampling: bool) -> list[dict]:
+def chat_workload(
+    url: str, questions: list[dict], max_tokens: int, traces: bool, entropic_sampling: bool
+) -> list[dict]:
     params = {"temperature": 0.7, "max_new_tokens": max_tokens}
     if entropic_sampling:  # the micro loop acts on requests that ask for it (server defaults here)
         params["custom_params"] = {"entropic": {}}
-    first = burst(url, [{"text": chatml([(q["turns"][0], None)]), "sampling_params": params,
-                         "return_entropy": traces} for q in questions])
-    second = burst(url, [{"text": chatml([(q["turns"][0], r["text"]), (q["turns"][1], None)]),
-                          "sampling_params": params, "return_entropy": traces} for q, r in zip(questions, first)])
+    first = burst(
+        url,
+        [
+            {"text": chatml([(q["turns"][0], None)]), "sampling_params": params, "return_entropy": traces}
+            for q in questions
+        ],
+    )
+    second = burst(
+        url,
+        [
+            {
+                "text": chatml([(q["turns"][0], r["text"]), (q["turns"][1], None)]),
+                "sampling_params": params,
+                "return_entropy": traces,
+            }
+            for q, r in zip(questions, first)
+        ],
+    )
     return first + second
 
 
 def long_workload(url: str, cases, windows: list[list[int]], max_tokens: int, traces: bool) -> list[dict]:
-    passkeys = [{"text": c.prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-                 "return_entropy": traces} for c in cases]
-    code = [{"input_ids": w, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True},
-             "return_entropy": traces} for w in windows]
+    passkeys = [
+        {"text": c.prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}, "return_entropy": traces}
+        for c in cases
+    ]
+    code = [
+        {
+            "input_ids": w,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True},
+            "return_entropy": traces,
+        }
+        for w in windows
+    ]
     recs = burst(url, passkeys + code)
     for r, c in zip(recs, cases):
         r["passkey_correct"] = answered_key(r["text"]) == c.key
@@ -172,7 +196,9 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
     with start_server(f"ablation-{name}", cmd, port, server_env(device, stock=name == "stock")) as srv:
         t0 = time.perf_counter()
         long_recs = long_workload(srv.url, workloads["passkeys"], workloads["windows"], args.long_tokens, traces)
-        chat_recs = chat_workload(srv.url, workloads["questions"], args.chat_tokens, traces, name in ("sampling", "full"))
+        chat_recs = chat_workload(
+            srv.url, workloads["questions"], args.chat_tokens, traces, name in ("sampling", "full")
+        )
         wall = time.perf_counter() - t0
         agent_result = agent_workload(srv.url, args.agent_concurrency, name in ("sampling", "full"))
     recs = long_recs + chat_recs
@@ -197,15 +223,24 @@ def run_config(name: str, common: list[str], device: str, workloads: dict, args)
         "long_output_ids": [r["output_ids"] for r in long_recs[n_pass:]],
         "long_texts": [r["text"] for r in long_recs[n_pass:]],
         "chat_traces": [{k: r["meta"].get(k) for k in ("entropy", "temperature", "surprisal")} for r in chat_recs[:4]]
-        if traces else [],
-        "long_traces": [{k: r["meta"].get(k) for k in ("entropy", "surprisal", "attended")} | {"prompt_tokens": r["prompt_tokens"]}
-                        for r in long_recs[n_pass:]] if traces else [],
+        if traces
+        else [],
+        "long_traces": [
+            {k: r["meta"].get(k) for k in ("entropy", "surprisal", "attended")} | {"prompt_tokens": r["prompt_tokens"]}
+            for r in long_recs[n_pass:]
+        ]
+        if traces
+        else [],
     }
 
 
 METRICS = [  # key, label, +1 if higher is better
-    ("throughput_tok_s", "tok/s", +1), ("p50_latency_s", "p50 lat (s)", -1), ("p99_latency_s", "p99 lat (s)", -1),
-    ("p50_ttft_s", "p50 TTFT (s)", -1), ("attention_gflop", "attn GFLOP", -1), ("kv_gb_read", "KV GB read", -1),
+    ("throughput_tok_s", "tok/s", +1),
+    ("p50_latency_s", "p50 lat (s)", -1),
+    ("p99_latency_s", "p99 lat (s)", -1),
+    ("p50_ttft_s", "p50 TTFT (s)", -1),
+    ("attention_gflop", "attn GFLOP", -1),
+    ("kv_gb_read", "KV GB read", -1),
 ]
 
 
@@ -227,8 +262,10 @@ TRACES = ("chat_traces", "long_traces")  # per request: published for the plots'
 
 def published(results: dict, runs: dict) -> tuple[dict, dict]:
     """What docs/data/ablation.json keeps: every summary, the traces the plots read, no per-request outputs."""
-    return ({name: {k: v for k, v in r.items() if k not in RAW} for name, r in results.items()},
-            {name: [{k: v for k, v in r.items() if k not in RAW + TRACES} for r in rs] for name, rs in runs.items()})
+    return (
+        {name: {k: v for k, v in r.items() if k not in RAW} for name, r in results.items()},
+        {name: [{k: v for k, v in r.items() if k not in RAW + TRACES} for r in rs] for name, rs in runs.items()},
+    )
 
 
 def plots(results: dict, out_dir: Path) -> list[str]:
@@ -305,7 +342,7 @@ def main() -> None:
     order = list(CONFIGS)
     with tqdm(total=args.rounds * len(CONFIGS), desc="ablation", unit="config") as bar:
         for r in range(args.rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 bar.set_postfix_str(f"round {r + 1}: {name}")
                 runs[name].append(run_config(name, common, device, workloads, args))
                 bar.update()
@@ -320,7 +357,8 @@ def main() -> None:
         for key in ("passkey_correct", "passkey_cases", "agent_success", "agent_tasks"):
             merged[key] = sum(x[key] for x in rs)
         merged["rouge_l_vs_stock"] = statistics.fmean(
-            rouge_l(a, b) for x, s in zip(rs, runs["stock"]) for a, b in zip(x["long_output_ids"], s["long_output_ids"]))
+            rouge_l(a, b) for x, s in zip(rs, runs["stock"]) for a, b in zip(x["long_output_ids"], s["long_output_ids"])
+        )
         results[name] = merged
 
     png = plots(results, RESULTS_DIR / "ablation-plots")
@@ -330,22 +368,55 @@ def main() -> None:
 
     def spread(name, key):  # median (min-max over rounds)
         r = results[name][key + "_range"]
-        return fmt(results[name][key]) if r is None or args.rounds == 1 else \
-            f"{fmt(results[name][key])} ({fmt(r[0])}-{fmt(r[1])})"
+        return (
+            fmt(results[name][key])
+            if r is None or args.rounds == 1
+            else f"{fmt(results[name][key])} ({fmt(r[0])}-{fmt(r[1])})"
+        )
 
     headers = ["config", *(m[1] for m in METRICS), "d tau/dC", "H var", "ROUGE-L vs stock", "passkey", "agent"]
-    table = [[name, *(spread(name, m[0]) for m in METRICS), fmt(results[name]["dtau_dC"]),
-              fmt(results[name]["entropy_variance"]), fmt(results[name]["rouge_l_vs_stock"], ".2f"),
-              f"{results[name]['passkey_correct']}/{results[name]['passkey_cases']}",
-              f"{results[name]['agent_success']}/{results[name]['agent_tasks']}"] for name in CONFIGS]
-    md = markdown_table(headers, table) + "\n\nSuper-additivity (improvement over stock; higher is better):\n\n" + \
-        markdown_table(["metric", "full - stock", "sum of single loops", "verdict"], superadditivity(results))
-    path = write_json("ablation", {"environment": environment(), "args": vars(args), "results": results,
-                                   "runs": runs, "markdown": md, "plots": png})
+    table = [
+        [
+            name,
+            *(spread(name, m[0]) for m in METRICS),
+            fmt(results[name]["dtau_dC"]),
+            fmt(results[name]["entropy_variance"]),
+            fmt(results[name]["rouge_l_vs_stock"], ".2f"),
+            f"{results[name]['passkey_correct']}/{results[name]['passkey_cases']}",
+            f"{results[name]['agent_success']}/{results[name]['agent_tasks']}",
+        ]
+        for name in CONFIGS
+    ]
+    md = (
+        markdown_table(headers, table)
+        + "\n\nSuper-additivity (improvement over stock; higher is better):\n\n"
+        + markdown_table(["metric", "full - stock", "sum of single loops", "verdict"], superadditivity(results))
+    )
+    path = write_json(
+        "ablation",
+        {
+            "environment": environment(),
+            "args": vars(args),
+            "results": results,
+            "runs": runs,
+            "markdown": md,
+            "plots": png,
+        },
+    )
     if not args.quick:
         small_results, small_runs = published(results, runs)
-        write_json("ablation-published", {"environment": environment(), "args": vars(args), "results": small_results,
-                                          "runs": small_runs, "markdown": md, "plots": png}, publish="ablation")
+        write_json(
+            "ablation-published",
+            {
+                "environment": environment(),
+                "args": vars(args),
+                "results": small_results,
+                "runs": small_runs,
+                "markdown": md,
+                "plots": png,
+            },
+            publish="ablation",
+        )
     print(md)
     log_line(f"results: {path}; plots: {', '.join(png)}")
 

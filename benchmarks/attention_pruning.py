@@ -82,7 +82,9 @@ def text_windows(tokenizer, tokens: int, count: int, seed: int) -> list[list[int
     corpora = [tokenizer(code_corpus()).input_ids]
     essays = essay_dir()
     if essays is not None:
-        corpora.append(tokenizer("\n\n".join(p.read_text(errors="ignore") for p in sorted(essays.glob("*.txt")))).input_ids)
+        corpora.append(
+            tokenizer("\n\n".join(p.read_text(errors="ignore") for p in sorted(essays.glob("*.txt")))).input_ids
+        )
     out = []
     for i in range(count):
         out += code_windows(corpora[i % len(corpora)], tokens, 1, seed + i)
@@ -97,8 +99,7 @@ def rouge_l(a: list[int], b: list[int]) -> float:
 
 def speed_run(url: str, windows: list[list[int]], tokens: int, traces: bool) -> dict:
     params = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
-    payloads = [{"input_ids": w, "sampling_params": params, "return_entropy": traces, "stream": True}
-                for w in windows]
+    payloads = [{"input_ids": w, "sampling_params": params, "return_entropy": traces, "stream": True} for w in windows]
     start = time.perf_counter()
     with ThreadPoolExecutor(len(payloads)) as pool:
         outs = list(pool.map(lambda p: stream_one(url, p, start, 3600), payloads))
@@ -136,8 +137,12 @@ def read_share(cfg: PruningConfig, context: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
-                    "than the bundled one publishes docs/data/attention_pruning_<model>.json")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a shipped model (sgl_entropic.model.MODELS); another "
+        "than the bundled one publishes docs/data/attention_pruning_<model>.json",
+    )
     ap.add_argument("--contexts", default="4000,7000")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per request")
@@ -159,9 +164,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     pool = ["--max-total-tokens", str(max(65536, max(b * (n + args.tokens) for n in contexts for b in batches)))]
     common = sglang_common_args(model, device, args.dtype, ["--sleep-on-idle"] + pool)
-    commands = {"stock": lambda port: stock_command(port, common),
-                "kernel": lambda port: ours_command(port, common, "pruning", KEEP_ALL),
-                "ours": lambda port: ours_command(port, common, "pruning", entropic_config)}
+    commands = {
+        "stock": lambda port: stock_command(port, common),
+        "kernel": lambda port: ours_command(port, common, "pruning", KEEP_ALL),
+        "ours": lambda port: ours_command(port, common, "pruning", entropic_config),
+    }
     runs: dict = {name: [] for name in commands}
     probes: dict = {name: [] for name in commands if name != "stock"}
     order = list(commands)
@@ -171,7 +178,9 @@ def main() -> None:
         windows = {(n, b): text_windows(tokenizer, n, b, seed=1000 * r + 10 * n + b) for n in contexts for b in batches}
         for name in order:
             port = free_port()
-            with start_server(f"speed-{name}", commands[name](port), port, server_env(device, stock=name == "stock")) as srv:
+            with start_server(
+                f"speed-{name}", commands[name](port), port, server_env(device, stock=name == "stock")
+            ) as srv:
                 if name in probes:
                     pruning = requests.get(srv.url + "/server_info", timeout=60).json()["entropic"]["pruning"]
                     probes[name].append({k: pruning[k] for k in ("min_context", "dense_kernel_from", "crossover_ms")})
@@ -180,8 +189,10 @@ def main() -> None:
                 for key, ws in windows.items():
                     cells[key] = speed_run(srv.url, ws, args.tokens, traces=name != "stock")
                     c = cells[key]
-                    log_line(f"round {r + 1} {name} L={key[0]} B={key[1]}: decode {c['decode_tok_s']:.1f} tok/s, "
-                             f"TTFT {c['ttft_s']:.2f} s" + (f", attended {c['attended']:.0%}" if "attended" in c else ""))
+                    log_line(
+                        f"round {r + 1} {name} L={key[0]} B={key[1]}: decode {c['decode_tok_s']:.1f} tok/s, "
+                        f"TTFT {c['ttft_s']:.2f} s" + (f", attended {c['attended']:.0%}" if "attended" in c else "")
+                    )
             runs[name].append(cells)
 
     rows, table = [], []
@@ -195,24 +206,62 @@ def main() -> None:
             pruning_part = [o / k for o, k in zip(tok(ours), tok(kernel))]
             ttft = [o["ttft_s"] / s["ttft_s"] for o, s in zip(ours, stock)]
             kept = [o["attended"] for o in ours]
-            rouge = [statistics.fmean(rouge_l(a, c) for a, c in zip(o["output_ids"], s["output_ids"]))
-                     for o, s in zip(ours, stock)]
+            rouge = [
+                statistics.fmean(rouge_l(a, c) for a, c in zip(o["output_ids"], s["output_ids"]))
+                for o, s in zip(ours, stock)
+            ]
             read = read_share(cfg, n + args.tokens / 2)
-            row = {"context": n, "batch": b, "decode_tok_s": {"stock": tok(stock), "kernel": tok(kernel), "ours": tok(ours)},
-                   "decode_speedup": total, "kernel_speedup": kernel_part, "pruning_speedup": pruning_part,
-                   "ttft_s": {"stock": [s["ttft_s"] for s in stock], "ours": [o["ttft_s"] for o in ours]},
-                   "ttft_ratio": ttft, "kept_share": kept, "kv_read_share": read, "rouge_l_vs_stock": rouge}
+            row = {
+                "context": n,
+                "batch": b,
+                "decode_tok_s": {"stock": tok(stock), "kernel": tok(kernel), "ours": tok(ours)},
+                "decode_speedup": total,
+                "kernel_speedup": kernel_part,
+                "pruning_speedup": pruning_part,
+                "ttft_s": {"stock": [s["ttft_s"] for s in stock], "ours": [o["ttft_s"] for o in ours]},
+                "ttft_ratio": ttft,
+                "kept_share": kept,
+                "kv_read_share": read,
+                "rouge_l_vs_stock": rouge,
+            }
             rows.append(row)
-            table.append([f"{n // 1000}k", b, spread(tok(stock), ".1f"), spread(tok(kernel), ".1f"), spread(tok(ours), ".1f"),
-                          spread(total, ".2f") + "x", spread(kernel_part, ".2f") + "x", spread(pruning_part, ".2f") + "x",
-                          spread(ttft, ".3f") + "x", spread(kept, ".0%"), f"{read:.0%}", spread(rouge, ".2f")])
-    headers = ["context", "batch", "decode tok/s stock", "kernel (every page)", "ours (pruned)", "speedup ours/stock",
-               "kernel part", "pruning part", "TTFT ours/stock", "kept share", "KV bytes & attn FLOPs read",
-               "ROUGE-L vs stock"]
+            table.append(
+                [
+                    f"{n // 1000}k",
+                    b,
+                    spread(tok(stock), ".1f"),
+                    spread(tok(kernel), ".1f"),
+                    spread(tok(ours), ".1f"),
+                    spread(total, ".2f") + "x",
+                    spread(kernel_part, ".2f") + "x",
+                    spread(pruning_part, ".2f") + "x",
+                    spread(ttft, ".3f") + "x",
+                    spread(kept, ".0%"),
+                    f"{read:.0%}",
+                    spread(rouge, ".2f"),
+                ]
+            )
+    headers = [
+        "context",
+        "batch",
+        "decode tok/s stock",
+        "kernel (every page)",
+        "ours (pruned)",
+        "speedup ours/stock",
+        "kernel part",
+        "pruning part",
+        "TTFT ours/stock",
+        "kept share",
+        "KV bytes & attn FLOPs read",
+        "ROUGE-L vs stock",
+    ]
     md = markdown_table(headers, table)
     name = data_name("attention_pruning", args.model)
-    path = write_json(name, {"environment": environment(), "args": vars(args), "rows": rows,
-                             "probes": probes, "markdown": md}, publish=None if args.quick else name)
+    path = write_json(
+        name,
+        {"environment": environment(), "args": vars(args), "rows": rows, "probes": probes, "markdown": md},
+        publish=None if args.quick else name,
+    )
     print(md)
     log_line(f"results: {path} (median over {args.rounds} rounds, min-max in parentheses)")
 

@@ -58,22 +58,57 @@ def main() -> None:
     prompts = questions(args.prompts)
     off = {"speculative": {"draft": "off"}}
     t0 = time.time()
-    outs = {"fp32": serve("fp32", "float32", off, prompts, args.tokens),
-            "bf16": serve("bf16", "bfloat16", off, prompts, args.tokens),
-            "bf16+speculation": serve("bf16-spec", "bfloat16", {}, prompts, args.tokens)}
+    outs = {
+        "fp32": serve("fp32", "float32", off, prompts, args.tokens),
+        "bf16": serve("bf16", "bfloat16", off, prompts, args.tokens),
+        "bf16+speculation": serve("bf16-spec", "bfloat16", {}, prompts, args.tokens),
+    }
     per = {k: [agreement(r, o) for r, o in zip(outs["fp32"], outs[k])] for k in ("bf16", "bf16+speculation")}
     per["bf16+speculation vs bf16"] = [agreement(r, o) for r, o in zip(outs["bf16"], outs["bf16+speculation"])]
-    summary = {k: {"identical": sum(a["identical"] for a in v), "prompts": len(v),
-                   "mean_leading_identical": common.mean(a["leading_identical"] for a in v),
-                   "median_leading_identical": common.median([a["leading_identical"] for a in v]),
-                   "mean_same_share": common.mean(a["same_share"] for a in v)} for k, v in per.items()}
-    rows = [[k, f"{s['identical']}/{s['prompts']}", f"{s['mean_leading_identical']:.1f}",
-             f"{s['median_leading_identical']:.0f}", f"{s['mean_same_share']:.3f}"] for k, s in summary.items()]
-    print(common.markdown_table(["against fp32 (last: against bf16)", "identical", "mean tokens before the first "
-                                 "difference", "median", "same-token share"], rows))
-    common.write_json("bf16_agreement", {"prompts": len(prompts), "tokens": args.tokens, "summary": summary,
-                                         "per_prompt": per, "environment": common.environment(),
-                                         "seconds": time.time() - t0}, publish="bf16_agreement")
+    summary = {
+        k: {
+            "identical": sum(a["identical"] for a in v),
+            "prompts": len(v),
+            "mean_leading_identical": common.mean(a["leading_identical"] for a in v),
+            "median_leading_identical": common.median([a["leading_identical"] for a in v]),
+            "mean_same_share": common.mean(a["same_share"] for a in v),
+        }
+        for k, v in per.items()
+    }
+    rows = [
+        [
+            k,
+            f"{s['identical']}/{s['prompts']}",
+            f"{s['mean_leading_identical']:.1f}",
+            f"{s['median_leading_identical']:.0f}",
+            f"{s['mean_same_share']:.3f}",
+        ]
+        for k, s in summary.items()
+    ]
+    print(
+        common.markdown_table(
+            [
+                "against fp32 (last: against bf16)",
+                "identical",
+                "mean tokens before the first difference",
+                "median",
+                "same-token share",
+            ],
+            rows,
+        )
+    )
+    common.write_json(
+        "bf16_agreement",
+        {
+            "prompts": len(prompts),
+            "tokens": args.tokens,
+            "summary": summary,
+            "per_prompt": per,
+            "environment": common.environment(),
+            "seconds": time.time() - t0,
+        },
+        publish="bf16_agreement",
+    )
 
 
 if __name__ == "__main__":

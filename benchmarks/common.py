@@ -186,8 +186,9 @@ class Server:
         self.stop()
 
 
-def start_server(name: str, cmd: list[str], port: int, env: dict[str, str], timeout_s: float = 600,
-                 log: Optional[Path] = None) -> Server:
+def start_server(
+    name: str, cmd: list[str], port: int, env: dict[str, str], timeout_s: float = 600, log: Optional[Path] = None
+) -> Server:
     """Start `cmd` in its own process group, wait for GET /health == 200, return the Server (the one harness of
     the benchmarks and the tests, tests/conftest.py; its log in `log`, by default under benchmarks/results/logs)."""
     if log is None:
@@ -306,7 +307,9 @@ def run_batch(url: str, payloads: Sequence[dict], concurrency: int, timeout_s: f
 
 def require_ok(batch: Batch, what: str) -> Batch:
     if batch.errors:
-        raise RuntimeError(f"{what}: {len(batch.errors)}/{len(batch.results)} requests failed, first: {batch.errors[0]}")
+        raise RuntimeError(
+            f"{what}: {len(batch.errors)}/{len(batch.results)} requests failed, first: {batch.errors[0]}"
+        )
     return batch
 
 
@@ -317,8 +320,17 @@ def stream_one(url: str, payload: dict, t_send_target: float, timeout_s: float) 
         time.sleep(delay)
     sess = _session()
     t0 = time.perf_counter()
-    rec = {"send": t0, "first": None, "finish": None, "error": None, "completion_tokens": 0, "prompt_tokens": None,
-           "cached_tokens": None, "finish_reason": None, "chunks": 0}
+    rec = {
+        "send": t0,
+        "first": None,
+        "finish": None,
+        "error": None,
+        "completion_tokens": 0,
+        "prompt_tokens": None,
+        "cached_tokens": None,
+        "finish_reason": None,
+        "chunks": 0,
+    }
     try:
         with sess.post(url + "/generate", json=payload, stream=True, timeout=(10, timeout_s)) as r:
             if r.status_code != 200:
@@ -350,9 +362,12 @@ def stream_one(url: str, payload: dict, t_send_target: float, timeout_s: float) 
                         meta = last.get("meta_info") or {}
                         finish = meta.get("finish_reason")
                         rec.update(meta=meta, text=last.get("text"), output_ids=last.get("output_ids"))
-                        rec.update(completion_tokens=int(meta.get("completion_tokens", 0)),
-                                   prompt_tokens=meta.get("prompt_tokens"), cached_tokens=meta.get("cached_tokens"),
-                                   finish_reason=finish.get("type") if isinstance(finish, dict) else finish)
+                        rec.update(
+                            completion_tokens=int(meta.get("completion_tokens", 0)),
+                            prompt_tokens=meta.get("prompt_tokens"),
+                            cached_tokens=meta.get("cached_tokens"),
+                            finish_reason=finish.get("type") if isinstance(finish, dict) else finish,
+                        )
                         if isinstance(finish, dict) and finish.get("type") == "abort":
                             rec["error"] = f"aborted: {finish.get('message')}"
     except (requests.RequestException, ValueError) as err:
@@ -373,7 +388,6 @@ def percentile(xs: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 
 class Timer:
@@ -415,7 +429,10 @@ def cpu_model() -> dict[str, Any]:
         return {}
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return {"cpu_model": name, "cpu_bf16_flags": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512f"))}
+    return {
+        "cpu_model": name,
+        "cpu_bf16_flags": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512f")),
+    }
 
 
 def environment() -> dict[str, Any]:
@@ -431,8 +448,13 @@ def environment() -> dict[str, Any]:
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
         ).stdout.strip()
         info["git_dirty"] = bool(
-            subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=10).stdout.strip()
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
         )
     except (OSError, subprocess.SubprocessError):
         pass

@@ -39,17 +39,31 @@ def main() -> None:
                 params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "ignore_eos": True}
                 if controlled:
                     params["custom_params"] = {"entropic": {"target_entropy": args.target_entropy}}
-                res = common.generate(srv.url, {"text": common.chat(prompt), "return_entropy": True,
-                                                "sampling_params": params})
+                res = common.generate(
+                    srv.url, {"text": common.chat(prompt), "return_entropy": True, "sampling_params": params}
+                )
                 if not res.ok:
                     raise RuntimeError(f"prompt {i}: {res.error}")
-                traces.append({"prompt": prompt, "controller": controlled, "entropy": res.meta["entropy"],
-                               "temperature": res.meta["temperature"], "entropic_time": res.meta["entropic_time"]})
-                common.log_line(f"prompt {i} {'controller' if controlled else 'fixed T'}: "
-                                f"{len(res.meta['entropy'])} tokens")
-    data = {"target_entropy": args.target_entropy, "fixed_temperature": args.temperature,
-            "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "environment": common.environment(),
-            "traces": traces}
+                traces.append(
+                    {
+                        "prompt": prompt,
+                        "controller": controlled,
+                        "entropy": res.meta["entropy"],
+                        "temperature": res.meta["temperature"],
+                        "entropic_time": res.meta["entropic_time"],
+                    }
+                )
+                common.log_line(
+                    f"prompt {i} {'controller' if controlled else 'fixed T'}: {len(res.meta['entropy'])} tokens"
+                )
+    data = {
+        "target_entropy": args.target_entropy,
+        "fixed_temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "environment": common.environment(),
+        "traces": traces,
+    }
     with open(args.out, "w") as f:
         json.dump(common._clean(data), f, indent=1)
     common.log_line(f"wrote {args.out}")

@@ -50,10 +50,18 @@ def entropy_traces(data: dict, out: Path) -> Path:
     for ax, prompt in zip(axes[:, 0], prompts):
         for t in (t for t in data["traces"] if t["prompt"] == prompt):
             h = [float("nan") if v is None else v for v in t["entropy"]]
-            label = (f"controller (H* = {data['target_entropy']:g})" if t["controller"]
-                     else f"fixed T = {data['fixed_temperature']:g}")
-            ax.plot(range(1, len(h) + 1), h, lw=1.1, color="tab:blue" if t["controller"] else "tab:gray",
-                    label=f"{label}: var {statistics.pvariance([v for v in h if v == v]):.2f}")
+            label = (
+                f"controller (H* = {data['target_entropy']:g})"
+                if t["controller"]
+                else f"fixed T = {data['fixed_temperature']:g}"
+            )
+            ax.plot(
+                range(1, len(h) + 1),
+                h,
+                lw=1.1,
+                color="tab:blue" if t["controller"] else "tab:gray",
+                label=f"{label}: var {statistics.pvariance([v for v in h if v == v]):.2f}",
+            )
         ax.axhline(data["target_entropy"], color="tab:red", ls="--", lw=1, label="target H*")
         ax.set_title(prompt if len(prompt) < 70 else prompt[:67] + "...", fontsize=9)
         ax.set_ylabel("H_t (nats)")
@@ -68,8 +76,10 @@ def plugin_time(data: dict, out: Path) -> Path:
     summary = data["plugin_time"]["short"]
     modes = [m for m in MODES if m in summary]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    hooks = sorted({h for m in modes for h in summary[m]["hooks_us_per_step"]},
-                   key=lambda h: -max(summary[m]["hooks_us_per_step"].get(h, 0.0) for m in modes))
+    hooks = sorted(
+        {h for m in modes for h in summary[m]["hooks_us_per_step"]},
+        key=lambda h: -max(summary[m]["hooks_us_per_step"].get(h, 0.0) for m in modes),
+    )
     shown, rest = hooks[:7], hooks[7:]
     cmap = plt.get_cmap("tab10")
     bottom = [0.0] * len(modes)
@@ -80,16 +90,31 @@ def plugin_time(data: dict, out: Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, m in enumerate(modes):
         s = summary[m]
-        left.text(i, bottom[i], f"{100 * s['mean_share']['median']:.2f} %\nof {s['mean_step_us']['median'] / 1e3:.0f} ms",
-                  ha="center", va="bottom", fontsize=8)
+        left.text(
+            i,
+            bottom[i],
+            f"{100 * s['mean_share']['median']:.2f} %\nof {s['mean_step_us']['median'] / 1e3:.0f} ms",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     left.set_ylim(0, max(bottom) * 1.75)  # room for the legend above the bars
     left.set_ylabel("plugin time per decode step (us, median over rounds)")
     left.legend(fontsize=6.5, loc="upper center", ncol=2)
     left.set_title("The plugin's own time (measured in each server)", fontsize=10)
 
-    ratios = {m: [r["output_throughput"] / s["output_throughput"] for r in data["runs"] for s in data["runs"]
-                  if r["config"] == m and s["config"] == "stock" and r["round"] == s["round"]
-                  and r["workload"] == s["workload"] == "short"] for m in modes}
+    ratios = {
+        m: [
+            r["output_throughput"] / s["output_throughput"]
+            for r in data["runs"]
+            for s in data["runs"]
+            if r["config"] == m
+            and s["config"] == "stock"
+            and r["round"] == s["round"]
+            and r["workload"] == s["workload"] == "short"
+        ]
+        for m in modes
+    }
     for i, m in enumerate(modes):
         right.scatter([i] * len(ratios[m]), ratios[m], color="tab:blue", s=18, zorder=3)
         if ratios[m]:
@@ -108,8 +133,13 @@ def sparse_quality(data: dict, out: Path) -> Path:
     contexts = sorted({int(c) for per in data["quality"].values() for c in per})
     for k, (variant, per) in enumerate(data["quality"].items()):
         for ctx, s in per.items():
-            ax.scatter(s["kept_share"], max(s["kl_mean"], 1e-6), color=cmap(k % 10),
-                       marker=markers[contexts.index(int(ctx)) % len(markers)], s=36)
+            ax.scatter(
+                s["kept_share"],
+                max(s["kl_mean"], 1e-6),
+                color=cmap(k % 10),
+                marker=markers[contexts.index(int(ctx)) % len(markers)],
+                s=36,
+            )
         ax.scatter([], [], color=cmap(k % 10), label=variant)  # one legend entry per variant
     for j, ctx in enumerate(contexts):
         ax.scatter([], [], color="black", marker=markers[j % len(markers)], label=f"{ctx}k tokens")
@@ -135,8 +165,15 @@ def attention_pruning(data: dict, out: Path) -> Path:
         ax.bar(xs, med, width, yerr=err, capsize=2, color=colors[cfg], label=labels[cfg])
     for i, r in enumerate(rows):
         top = max(max(r["decode_tok_s"][c]) for c in colors)
-        ax.text(i, top, f"x{statistics.median(r['decode_speedup']):.2f}\n(kernel x{statistics.median(r['kernel_speedup']):.2f},"
-                        f"\npruning x{statistics.median(r['pruning_speedup']):.2f})", ha="center", va="bottom", fontsize=7)
+        ax.text(
+            i,
+            top,
+            f"x{statistics.median(r['decode_speedup']):.2f}\n(kernel x{statistics.median(r['kernel_speedup']):.2f},"
+            f"\npruning x{statistics.median(r['pruning_speedup']):.2f})",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xticks(range(len(rows)), [f"{r['context'] / 1000:g}k, batch {r['batch']}" for r in rows])
     ax.set_ylim(0, max(max(max(r["decode_tok_s"][c]) for c in colors) for r in rows) * 1.45)
     ax.set_ylabel("decode tok/s (median over rounds)")
@@ -157,7 +194,10 @@ def speculative_decoding(data: dict, out: Path) -> Path:
         cells = [data["summary"][k].get(config, {}).get("tok_s", {}).get("vs_stock") for k in keys]
         xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(keys))]
         med = [c["median"] if c else 0.0 for c in cells]
-        err = [[c["median"] - c["min"] if c else 0.0 for c in cells], [c["max"] - c["median"] if c else 0.0 for c in cells]]
+        err = [
+            [c["median"] - c["min"] if c else 0.0 for c in cells],
+            [c["max"] - c["median"] if c else 0.0 for c in cells],
+        ]
         ax.bar(xs, med, width, yerr=err, capsize=2, color=cmap(j), label=config)
     ax.axhline(1.0, color="black", ls="--", lw=1)
     ax.set_xticks(range(len(keys)), [k.replace("-B", ", batch ") for k in keys])
@@ -173,9 +213,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=FIGURES)
     args = ap.parse_args(argv)
     jobs: list[tuple[Callable[[dict, Path], Path], Path]] = [
-        (draw, args.data / f"{name}.json") for draw, name in (
-            (entropy_traces, "entropy_traces"), (plugin_time, "plugin_overhead"), (sparse_quality, "sparse_quality"),
-            (attention_pruning, "attention_pruning"), (speculative_decoding, "speculative_decoding"))]
+        (draw, args.data / f"{name}.json")
+        for draw, name in (
+            (entropy_traces, "entropy_traces"),
+            (plugin_time, "plugin_overhead"),
+            (sparse_quality, "sparse_quality"),
+            (attention_pruning, "attention_pruning"),
+            (speculative_decoding, "speculative_decoding"),
+        )
+    ]
     for draw, path in jobs:
         if not path.exists():
             print(f"skipped {draw.__name__}.png: no input ({path})", file=sys.stderr)

@@ -23,13 +23,46 @@ import common
 
 # The bench client's own workloads (random token ids: exact lengths, no download).
 WORKLOADS = {
-    "short": ["--dataset-name", "random-ids", "--tokenize-prompt", "--random-input-len", "256",
-              "--random-output-len", "128", "--random-range-ratio", "1.0", "--max-concurrency", "8"],
-    "long": ["--dataset-name", "random-ids", "--tokenize-prompt", "--random-input-len", "4096",
-             "--random-output-len", "128", "--random-range-ratio", "1.0", "--max-concurrency", "4"],
-    "shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-system-prompt-len", "2048",
-                      "--gsp-question-len", "128", "--gsp-output-len", "128", "--gsp-range-ratio", "1.0",
-                      "--max-concurrency", "4"],
+    "short": [
+        "--dataset-name",
+        "random-ids",
+        "--tokenize-prompt",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "128",
+        "--random-range-ratio",
+        "1.0",
+        "--max-concurrency",
+        "8",
+    ],
+    "long": [
+        "--dataset-name",
+        "random-ids",
+        "--tokenize-prompt",
+        "--random-input-len",
+        "4096",
+        "--random-output-len",
+        "128",
+        "--random-range-ratio",
+        "1.0",
+        "--max-concurrency",
+        "4",
+    ],
+    "shared-prefix": [
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-system-prompt-len",
+        "2048",
+        "--gsp-question-len",
+        "128",
+        "--gsp-output-len",
+        "128",
+        "--gsp-range-ratio",
+        "1.0",
+        "--max-concurrency",
+        "4",
+    ],
 }
 METRICS = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_ttft_ms", "median_itl_ms")
 CONFIGS = ("stock", "sampling", "scheduling", "pruning", "full")
@@ -39,14 +72,35 @@ def bench(url: str, model: str, workload: str, num_prompts: int, groups: int, se
     """One run of SGLang's bench client; its JSON line."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.jsonl"
-        cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", url,
-               "--model", model, "--tokenizer", model, "--num-prompts", str(num_prompts), "--seed", str(seed),
-               "--warmup-requests", "1", "--flush-cache", "--disable-tqdm", "--output-file", str(out),
-               *WORKLOADS[workload]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.benchmark.serving",
+            "--backend",
+            "sglang",
+            "--base-url",
+            url,
+            "--model",
+            model,
+            "--tokenizer",
+            model,
+            "--num-prompts",
+            str(num_prompts),
+            "--seed",
+            str(seed),
+            "--warmup-requests",
+            "1",
+            "--flush-cache",
+            "--disable-tqdm",
+            "--output-file",
+            str(out),
+            *WORKLOADS[workload],
+        ]
         if workload == "shared-prefix":
             cmd += ["--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(max(1, num_prompts // groups))]
-        run = subprocess.run(cmd, cwd=common.ROOT, env=common.server_env("cpu", stock=True),
-                             capture_output=True, text=True, timeout=7200)
+        run = subprocess.run(
+            cmd, cwd=common.ROOT, env=common.server_env("cpu", stock=True), capture_output=True, text=True, timeout=7200
+        )
         if run.returncode != 0 or not out.exists():
             raise RuntimeError(f"bench client failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
         result = json.loads(out.read_text().splitlines()[-1])
@@ -74,12 +128,20 @@ def plugin_time_during(before: dict, after: dict) -> dict:
     hooks = {}
     for name, h in after["hooks"].items():
         b = before["hooks"].get(name, {"calls": 0, "mean_us_per_step": 0.0})
-        hooks[name] = {"calls": h["calls"] - b["calls"],
-                       "mean_us_per_step": per_step(total(b, "mean_us_per_step", before["steps"]),
-                                                    total(h, "mean_us_per_step", after["steps"]))}
-    return {"steps": steps, "hooks": hooks,
-            **{k: per_step(total(before, k, before["steps"]), total(after, k, after["steps"]))
-               for k in ("mean_us_per_step", "mean_step_us", "mean_share")}}
+        hooks[name] = {
+            "calls": h["calls"] - b["calls"],
+            "mean_us_per_step": per_step(
+                total(b, "mean_us_per_step", before["steps"]), total(h, "mean_us_per_step", after["steps"])
+            ),
+        }
+    return {
+        "steps": steps,
+        "hooks": hooks,
+        **{
+            k: per_step(total(before, k, before["steps"]), total(after, k, after["steps"]))
+            for k in ("mean_us_per_step", "mean_step_us", "mean_share")
+        },
+    }
 
 
 def summarize_plugin_time(runs: list[dict], configs: list[str], workloads: list[str]) -> tuple[dict, str]:
@@ -92,22 +154,48 @@ def summarize_plugin_time(runs: list[dict], configs: list[str], workloads: list[
             mine = [p for p in mine if p["steps"]]
             if not mine:
                 continue
-            entry = {k: {"median": common.median([p[k] for p in mine]), "min": min(p[k] for p in mine),
-                         "max": max(p[k] for p in mine)} for k in ("mean_us_per_step", "mean_step_us", "mean_share")}
+            entry = {
+                k: {
+                    "median": common.median([p[k] for p in mine]),
+                    "min": min(p[k] for p in mine),
+                    "max": max(p[k] for p in mine),
+                }
+                for k in ("mean_us_per_step", "mean_step_us", "mean_share")
+            }
             names = sorted({n for p in mine for n in p["hooks"]})
-            entry["hooks_us_per_step"] = {n: common.median([p["hooks"][n]["mean_us_per_step"] or 0.0 for p in mine
-                                                            if n in p["hooks"]]) for n in names}
+            entry["hooks_us_per_step"] = {
+                n: common.median([p["hooks"][n]["mean_us_per_step"] or 0.0 for p in mine if n in p["hooks"]])
+                for n in names
+            }
             entry["rounds"], entry["steps"] = len(mine), sum(p["steps"] for p in mine)
             summary.setdefault(w, {})[c] = entry
             top = sorted(entry["hooks_us_per_step"].items(), key=lambda kv: -kv[1])[:3]
-            rows.append([w, c, len(mine), entry["steps"], _cell(entry["mean_us_per_step"]),
-                         f"{entry['mean_step_us']['median'] / 1e3:.1f}",
-                         f"{100 * entry['mean_share']['median']:.2f} % ({100 * entry['mean_share']['min']:.2f}-"
-                         f"{100 * entry['mean_share']['max']:.2f})",
-                         ", ".join(f"{n} {us:.0f}" for n, us in top)])
+            rows.append(
+                [
+                    w,
+                    c,
+                    len(mine),
+                    entry["steps"],
+                    _cell(entry["mean_us_per_step"]),
+                    f"{entry['mean_step_us']['median'] / 1e3:.1f}",
+                    f"{100 * entry['mean_share']['median']:.2f} % ({100 * entry['mean_share']['min']:.2f}-"
+                    f"{100 * entry['mean_share']['max']:.2f})",
+                    ", ".join(f"{n} {us:.0f}" for n, us in top),
+                ]
+            )
     return summary, common.markdown_table(
-        ["workload", "config", "rounds", "decode steps", "plugin us/step", "step ms", "plugin share",
-         "top hooks (us/step)"], rows)
+        [
+            "workload",
+            "config",
+            "rounds",
+            "decode steps",
+            "plugin us/step",
+            "step ms",
+            "plugin share",
+            "top hooks (us/step)",
+        ],
+        rows,
+    )
 
 
 def summarize(runs: list[dict], configs: list[str], workloads: list[str]) -> tuple[dict, str]:
@@ -124,15 +212,23 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str]) -> tup
             entry = {}
             for m in METRICS:
                 vals = [r[m] for r in mine]
-                ratios = [r[m] / s[m] for r in mine for s in runs
-                          if s["workload"] == w and s["config"] == "stock" and s["round"] == r["round"] and s[m]]
+                ratios = [
+                    r[m] / s[m]
+                    for r in mine
+                    for s in runs
+                    if s["workload"] == w and s["config"] == "stock" and s["round"] == r["round"] and s[m]
+                ]
                 entry[m] = {"median": common.median(vals), "min": min(vals), "max": max(vals)}
                 if ratios:
                     entry[m]["vs_stock"] = {"median": common.median(ratios), "min": min(ratios), "max": max(ratios)}
             summary[w][c] = entry
             rows.append([c, len(mine)] + [_cell(entry[m]) for m in METRICS])
-        text.append(f"### {w}\n\n" + common.markdown_table(
-            ["config", "rounds", "out tok/s", "p50 E2E ms", "p99 E2E ms", "p50 TTFT ms", "p50 ITL ms"], rows))
+        text.append(
+            f"### {w}\n\n"
+            + common.markdown_table(
+                ["config", "rounds", "out tok/s", "p50 E2E ms", "p99 E2E ms", "p50 TTFT ms", "p50 ITL ms"], rows
+            )
+        )
     return summary, "\n\n".join(text)
 
 
@@ -147,16 +243,26 @@ def _cell(e: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
-                    "than the bundled one publishes docs/data/plugin_overhead_<model>.json")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a shipped model (sgl_entropic.model.MODELS); another "
+        "than the bundled one publishes docs/data/plugin_overhead_<model>.json",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="short,long,shared-prefix")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="stock is always run")
-    ap.add_argument("--once", default="",
-                    help="configurations that run in one round each (the i-th in round i mod rounds), e.g. to read "
-                         "each mode's plugin time without a server per mode per round")
-    ap.add_argument("--long-configs", default="stock,full",
-                    help="configurations that run the long and shared-prefix workloads (slow on a CPU)")
+    ap.add_argument(
+        "--once",
+        default="",
+        help="configurations that run in one round each (the i-th in round i mod rounds), e.g. to read "
+        "each mode's plugin time without a server per mode per round",
+    )
+    ap.add_argument(
+        "--long-configs",
+        default="stock,full",
+        help="configurations that run the long and shared-prefix workloads (slow on a CPU)",
+    )
     ap.add_argument("--prompts", default="short:32,long:8,shared-prefix:16")
     ap.add_argument("--groups", type=int, default=4, help="shared-prefix: system prompts")
     ap.add_argument("--dtype", default="bfloat16")
@@ -180,11 +286,14 @@ def main() -> None:
     runs, infos = [], {}
     for rnd in range(args.rounds):
         order = configs + [c for i, c in enumerate(once) if i % args.rounds == rnd]
-        order = order[rnd % len(order):] + order[:rnd % len(order)]
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]
         for config in order:
             port = common.free_port()
-            cmd = (common.stock_command(port, common_args) if config == "stock"
-                   else common.ours_command(port, common_args, config, extra))
+            cmd = (
+                common.stock_command(port, common_args)
+                if config == "stock"
+                else common.ours_command(port, common_args, config, extra)
+            )
             with common.start_server(config, cmd, port, common.server_env(device, stock=config == "stock")) as srv:
                 info = srv.info()
                 if (config == "stock") != ("entropic" not in info):
@@ -199,19 +308,33 @@ def main() -> None:
                         r["plugin_time"] = plugin_time_during(before, after)
                     runs.append({"round": rnd, "config": config, "workload": w, **r})
                     pt = r.get("plugin_time")
-                    common.log_line(f"round {rnd} {config} {w}: {r['output_throughput']:.1f} tok/s, "
-                                    f"p50 E2E {r['median_e2e_latency_ms']:.0f} ms" +
-                                    (f", plugin {pt['mean_us_per_step']:.0f} us/decode step "
-                                     f"({100 * pt['mean_share']:.2f} %)" if pt and pt["steps"] else ""))
+                    common.log_line(
+                        f"round {rnd} {config} {w}: {r['output_throughput']:.1f} tok/s, "
+                        f"p50 E2E {r['median_e2e_latency_ms']:.0f} ms"
+                        + (
+                            f", plugin {pt['mean_us_per_step']:.0f} us/decode step ({100 * pt['mean_share']:.2f} %)"
+                            if pt and pt["steps"]
+                            else ""
+                        )
+                    )
                 infos[f"{config}/{rnd}"] = srv.info().get("entropic")
     configs += once
     summary, table = summarize(runs, configs, workloads)
     plugin_summary, plugin_table = summarize_plugin_time(runs, configs, workloads)
     print(table + "\n\n### the plugin's own time per decode step (measured in each server)\n\n" + plugin_table)
     name = common.data_name("plugin_overhead", args.model)
-    path = common.write_json("full_system", {
-        "args": vars(args), "environment": common.environment(), "runs": runs, "summary": summary,
-        "plugin_time": plugin_summary, "entropic_server_info": infos}, publish=None if args.quick else name)
+    path = common.write_json(
+        "full_system",
+        {
+            "args": vars(args),
+            "environment": common.environment(),
+            "runs": runs,
+            "summary": summary,
+            "plugin_time": plugin_summary,
+            "entropic_server_info": infos,
+        },
+        publish=None if args.quick else name,
+    )
     common.log_line(f"wrote {path.relative_to(common.ROOT)}")
 
 

@@ -37,18 +37,27 @@ def measure(key: str, args) -> list[dict]:
     rows = []
     with common.start_server(f"plugin-share-{key}", cmd, port, common.server_env("cpu", stock=False)) as srv:
         for b in args.batch_sizes:
-            payloads = [{"text": f"Tell me about {TOPICS[i % len(TOPICS)]} number {i}.",
-                         "sampling_params": {"max_new_tokens": args.tokens, "temperature": args.temperature,
-                                             "ignore_eos": True}}
-                        for i in range(b)]
+            payloads = [
+                {
+                    "text": f"Tell me about {TOPICS[i % len(TOPICS)]} number {i}.",
+                    "sampling_params": {
+                        "max_new_tokens": args.tokens,
+                        "temperature": args.temperature,
+                        "ignore_eos": True,
+                    },
+                }
+                for i in range(b)
+            ]
             common.require_ok(common.run_batch(srv.url, payloads, b), f"{key} warm-up")
             before = plugin_time(srv.info())
             for _ in range(args.repeats):
                 common.require_ok(common.run_batch(srv.url, payloads, b), f"{key} B={b}")
             during = plugin_time_during(before, plugin_time(srv.info()))
             rows.append({"model": key, "batch": b, **during})
-            common.log_line(f"{key} B={b}: plugin {during['mean_us_per_step'] / 1e3:.2f} ms of a "
-                            f"{during['mean_step_us'] / 1e3:.1f} ms step ({during['mean_share']:.2%})")
+            common.log_line(
+                f"{key} B={b}: plugin {during['mean_us_per_step'] / 1e3:.2f} ms of a "
+                f"{during['mean_step_us'] / 1e3:.1f} ms step ({during['mean_share']:.2%})"
+            )
     return rows
 
 
@@ -64,15 +73,23 @@ def main() -> None:
     ap.add_argument("--publish", default="plugin_share", help="docs/data/<name>.json")
     args = ap.parse_args()
     rows = [r for key in args.models.split(",") for r in measure(key, args)]
-    print("\n| model | batch | decode steps | plugin ms/step | step ms | share | top hooks (ms/step) |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | batch | decode steps | plugin ms/step | step ms | share | top hooks (ms/step) |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         top = sorted(((h["mean_us_per_step"] or 0.0, name) for name, h in r["hooks"].items()), reverse=True)[:3]
-        print(f"| {r['model']} | {r['batch']} | {r['steps']} | {r['mean_us_per_step'] / 1e3:.2f} | "
-              f"{r['mean_step_us'] / 1e3:.1f} | {r['mean_share']:.2%} | "
-              + ", ".join(f"{name} {us / 1e3:.2f}" for us, name in top) + " |")
-    path = common.write_json("plugin_share", {"args": {**vars(args)}, "environment": common.environment(),
-                                              "rows": rows}, publish=args.publish)
+        print(
+            f"| {r['model']} | {r['batch']} | {r['steps']} | {r['mean_us_per_step'] / 1e3:.2f} | "
+            f"{r['mean_step_us'] / 1e3:.1f} | {r['mean_share']:.2%} | "
+            + ", ".join(f"{name} {us / 1e3:.2f}" for us, name in top)
+            + " |"
+        )
+    path = common.write_json(
+        "plugin_share",
+        {"args": {**vars(args)}, "environment": common.environment(), "rows": rows},
+        publish=args.publish,
+    )
     print(f"\nJSON: {path}")
 
 

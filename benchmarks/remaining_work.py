@@ -80,16 +80,26 @@ def chatml(turns: list[tuple[str, str | None]]) -> str:
 
 def answer(url: str, prompt: str, args, eos: int) -> dict:
     """One sampled answer with, per step, p(EOS) (SGLang's logprob of the EOS token) and H (ours)."""
-    payload = {"text": prompt, "return_entropy": True, "return_logprob": True, "token_ids_logprob": [eos],
-               "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}}
+    payload = {
+        "text": prompt,
+        "return_entropy": True,
+        "return_logprob": True,
+        "token_ids_logprob": [eos],
+        "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+    }
     r = generate(url, payload, timeout_s=3600)
     if not r.ok:
         raise RuntimeError(f"generation failed: {r.error}")
     meta = r.meta
     p_eos = [math.exp(next(lp for lp, tid, *_ in pos if tid == eos)) for pos in meta["output_token_ids_logprobs"]]
-    return {"prompt_len": meta["prompt_tokens"], "length": meta["completion_tokens"], "p_eos": p_eos,
-            "entropy": [h if h is not None else float("nan") for h in meta["entropy"]],
-            "capped": meta["finish_reason"]["type"] == "length", "text": r.response.get("text", "")}
+    return {
+        "prompt_len": meta["prompt_tokens"],
+        "length": meta["completion_tokens"],
+        "p_eos": p_eos,
+        "entropy": [h if h is not None else float("nan") for h in meta["entropy"]],
+        "capped": meta["finish_reason"]["type"] == "length",
+        "text": r.response.get("text", ""),
+    }
 
 
 def answers(args) -> list[dict]:
@@ -106,8 +116,10 @@ def answers(args) -> list[dict]:
     with start_server("remaining-work", cmd, port, server_env(default_device(), stock=False)) as srv:
         for turn in (0, 1):
             t0 = time.perf_counter()
-            prompts = [chatml(([(q["turns"][0], firsts[q["question_id"]])] if turn else []) + [(q["turns"][turn], None)])
-                       for q in questions]
+            prompts = [
+                chatml(([(q["turns"][0], firsts[q["question_id"]])] if turn else []) + [(q["turns"][turn], None)])
+                for q in questions
+            ]
             with ThreadPoolExecutor(args.concurrency) as pool:
                 rows = list(pool.map(lambda p: answer(srv.url, p, args, eos), prompts))
             for q, r in zip(questions, rows):
@@ -140,21 +152,32 @@ def samples(rows: list[dict], decay: float) -> list[dict]:
         for t in CHECKPOINTS:
             if t >= r["length"]:
                 continue
-            window = h[max(0, t - SLOPE_WINDOW):t]
+            window = h[max(0, t - SLOPE_WINDOW) : t]
             slope = float(np.polyfit(np.arange(len(window)), window, 1)[0]) if len(window) > 2 else 0.0
-            out.append({
-                "question_id": r["question_id"], "t": t, "prompt_len": r["prompt_len"], "remaining": r["length"] - t,
-                "pe_ema": pe_ema[t - 1], "pe_max": max(pe[max(0, t - MAX_WINDOW):t]), "h_ema": h_ema[t - 1],
-                "h_slope": slope,
-            })
+            out.append(
+                {
+                    "question_id": r["question_id"],
+                    "t": t,
+                    "prompt_len": r["prompt_len"],
+                    "remaining": r["length"] - t,
+                    "pe_ema": pe_ema[t - 1],
+                    "pe_max": max(pe[max(0, t - MAX_WINDOW) : t]),
+                    "h_ema": h_ema[t - 1],
+                    "h_slope": slope,
+                }
+            )
     return out
 
 
 def _design(s: list[dict], signal: bool) -> np.ndarray:
     cols = [[1.0] * len(s), [math.log(x["t"]) for x in s], [math.log(x["prompt_len"]) for x in s]]
     if signal:
-        cols += [[math.log(x["pe_ema"] + 1e-9) for x in s], [math.log(x["pe_max"] + 1e-9) for x in s],
-                 [x["h_ema"] for x in s], [x["h_slope"] for x in s]]
+        cols += [
+            [math.log(x["pe_ema"] + 1e-9) for x in s],
+            [math.log(x["pe_max"] + 1e-9) for x in s],
+            [x["h_ema"] for x in s],
+            [x["h_slope"] for x in s],
+        ]
     return np.array(cols).T
 
 
@@ -172,8 +195,11 @@ def cross_fit(s: list[dict], signal: bool) -> np.ndarray:
 def scores(pred: np.ndarray, actual: np.ndarray) -> dict:
     if len(actual) < 3 or np.all(pred == pred[0]):
         return {"n": int(len(actual)), "kendall": float("nan"), "spearman": float("nan")}
-    return {"n": int(len(actual)), "kendall": float(kendalltau(pred, actual).statistic),
-            "spearman": float(spearmanr(pred, actual).statistic)}
+    return {
+        "n": int(len(actual)),
+        "kendall": float(kendalltau(pred, actual).statistic),
+        "spearman": float(spearmanr(pred, actual).statistic),
+    }
 
 
 def evaluate(rows: list[dict], decay: float, cap: int) -> dict:
@@ -191,9 +217,13 @@ def evaluate(rows: list[dict], decay: float, cap: int) -> dict:
         "fit on baseline + signal features": cross_fit(s, True),
     }
     t = np.array([x["t"] for x in s])
-    return {name: {"pooled": scores(p, actual),
-                   "by_t": {int(c): scores(p[t == c], actual[t == c]) for c in CHECKPOINTS if (t == c).sum() >= 3}}
-            for name, p in preds.items()}
+    return {
+        name: {
+            "pooled": scores(p, actual),
+            "by_t": {int(c): scores(p[t == c], actual[t == c]) for c in CHECKPOINTS if (t == c).sum() >= 3},
+        }
+        for name, p in preds.items()
+    }
 
 
 def main(argv=None) -> int:
@@ -211,18 +241,37 @@ def main(argv=None) -> int:
         args.max_new_tokens = json.loads(Path(args.from_json).read_text())["args"]["max_new_tokens"]
     res = evaluate(rows, args.ema, args.max_new_tokens)
     lengths = [r["length"] for r in rows]
-    summary = {"answers": len(rows), "length_median": float(np.median(lengths)), "length_min": min(lengths),
-               "length_max": max(lengths), "capped": sum(r["capped"] for r in rows)}
-    path = write_json("remaining_work", {"benchmark": "remaining_work", "args": vars(args),
-                                         "environment": environment(), "summary": summary, "results": res,
-                                         "answers": rows},
-                      publish="remaining_work", unpublished=("answers",))
-    print(f"{len(rows)} answers, length median {np.median(lengths):.0f} (min {min(lengths)}, max {max(lengths)}), "
-          f"{sum(r['capped'] for r in rows)} reached the cap of {args.max_new_tokens}\n")
+    summary = {
+        "answers": len(rows),
+        "length_median": float(np.median(lengths)),
+        "length_min": min(lengths),
+        "length_max": max(lengths),
+        "capped": sum(r["capped"] for r in rows),
+    }
+    path = write_json(
+        "remaining_work",
+        {
+            "benchmark": "remaining_work",
+            "args": vars(args),
+            "environment": environment(),
+            "summary": summary,
+            "results": res,
+            "answers": rows,
+        },
+        publish="remaining_work",
+        unpublished=("answers",),
+    )
+    print(
+        f"{len(rows)} answers, length median {np.median(lengths):.0f} (min {min(lengths)}, max {max(lengths)}), "
+        f"{sum(r['capped'] for r in rows)} reached the cap of {args.max_new_tokens}\n"
+    )
     cps = [c for c in CHECKPOINTS if c < args.max_new_tokens]
     header = ["predictor", "pooled tau", "pooled rho"] + [f"t={c} tau" for c in cps]
-    table = [[name, r["pooled"]["kendall"], r["pooled"]["spearman"]]
-             + [r["by_t"].get(c, {}).get("kendall", float("nan")) for c in cps] for name, r in res.items()]
+    table = [
+        [name, r["pooled"]["kendall"], r["pooled"]["spearman"]]
+        + [r["by_t"].get(c, {}).get("kendall", float("nan")) for c in cps]
+        for name, r in res.items()
+    ]
     print(markdown_table(header, table))
     first = next(iter(res.values()))
     print("\nsamples per checkpoint: " + ", ".join(f"t={c}: {v['n']}" for c, v in first["by_t"].items()))

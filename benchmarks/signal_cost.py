@@ -42,12 +42,22 @@ def measure(batch: int, vocab: int, iters: int, mix: str) -> dict:
     for i in range(batch):
         controlled = mix == "mixed" and i % 2 == 1
         state = rt.new_request_state(ControllerState.from_config(cfg, 0.8) if controlled else None, None)
-        reqs.append(SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=i + 1),
-                                    origin_input_ids=[0] * 100, output_ids=[]))
+        reqs.append(
+            SimpleNamespace(
+                entropic=state,
+                customized_info=None,
+                kv=SimpleNamespace(req_pool_idx=i + 1),
+                origin_input_ids=[0] * 100,
+                output_ids=[],
+            )
+        )
     greedy = [mix == "greedy" or (mix == "mixed" and i % 4 == 0) for i in range(batch)]
-    info = SimpleNamespace(temperatures=torch.tensor([[1.0 if g else 0.8] for g in greedy]),
-                           top_ks=torch.tensor([1 if g else vocab for g in greedy]), is_all_greedy=all(greedy),
-                           has_custom_logit_processor=False)
+    info = SimpleNamespace(
+        temperatures=torch.tensor([[1.0 if g else 0.8] for g in greedy]),
+        top_ks=torch.tensor([1 if g else vocab for g in greedy]),
+        is_all_greedy=all(greedy),
+        has_custom_logit_processor=False,
+    )
     fb = SimpleNamespace(req_pool_indices=torch.arange(1, batch + 1), seq_lens_cpu=torch.full((batch,), 1000))
     logits = torch.randn(batch, vocab)
 
@@ -73,8 +83,13 @@ def measure(batch: int, vocab: int, iters: int, mix: str) -> dict:
             for r in reqs:
                 r.customized_info = None
     times.sort()
-    return {"batch": batch, "vocab": vocab, "mix": mix, "median_ms": 1e3 * times[len(times) // 2],
-            "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
+    return {
+        "batch": batch,
+        "vocab": vocab,
+        "mix": mix,
+        "median_ms": 1e3 * times[len(times) // 2],
+        "p90_ms": 1e3 * times[int(len(times) * 0.9)],
+    }
 
 
 def main() -> None:
@@ -83,13 +98,21 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
-    rows = [measure(int(b), args.vocab, args.iters, mix) for mix in ("plain", "greedy", "mixed")
-            for b in args.batch_sizes.split(",")]
-    print(f"torch threads: {torch.get_num_threads()}\n\n| rows | batch | median ms/step | p90 ms/step |\n|---|---|---|---|")
+    rows = [
+        measure(int(b), args.vocab, args.iters, mix)
+        for mix in ("plain", "greedy", "mixed")
+        for b in args.batch_sizes.split(",")
+    ]
+    print(
+        f"torch threads: {torch.get_num_threads()}\n\n| rows | batch | median ms/step | p90 ms/step |\n|---|---|---|---|"
+    )
     for r in rows:
         print(f"| {r['mix']} | {r['batch']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} |")
-    path = common.write_json("signal_cost", {"args": vars(args), "torch_threads": torch.get_num_threads(),
-                                             "rows": rows}, publish="signal_cost")
+    path = common.write_json(
+        "signal_cost",
+        {"args": vars(args), "torch_threads": torch.get_num_threads(), "rows": rows},
+        publish="signal_cost",
+    )
     print(f"\nJSON: {path}")
 
 

@@ -61,10 +61,15 @@ def errors(logits: torch.Tensor, ks: list[int], temperatures: list[float]) -> li
         for k in ks:
             parts = [entropy_topk(c, k) for c in x.split(256)]
             est = {name: torch.cat([getattr(p, name) for p in parts]) for name in ("truncated", "lower", "upper")}
-            row = {"temperature": t, "k": k, "positions": len(exact), "exact_mean": float(exact.mean()),
-                   "width_mean": float((est["upper"] - est["lower"]).mean()),
-                   "width_max": float((est["upper"] - est["lower"]).max()),
-                   "bounds_hold": bool(((est["lower"] <= exact + 1e-4) & (exact <= est["upper"] + 1e-4)).all())}
+            row = {
+                "temperature": t,
+                "k": k,
+                "positions": len(exact),
+                "exact_mean": float(exact.mean()),
+                "width_mean": float((est["upper"] - est["lower"]).mean()),
+                "width_max": float((est["upper"] - est["lower"]).max()),
+                "bounds_hold": bool(((est["lower"] <= exact + 1e-4) & (exact <= est["upper"] + 1e-4)).all()),
+            }
             for name, value in est.items():
                 err = (value - exact).abs()
                 row[f"{name}_abs_mean"], row[f"{name}_abs_max"] = float(err.mean()), float(err.max())
@@ -99,10 +104,13 @@ def timings(vocab: int, batches: list[int], ks: list[int], iters: int) -> list[d
         tokens = torch.randint(0, vocab, (b,))
         inv_t = torch.full((b,), 1 / 0.8)
         scratch = Scratch()
-        row = {"vocab": vocab, "batch": b,
-               "exact_stats_ms": timed(lambda: token_stats(x, tokens, inv_t, scratch), iters),  # as served
-               "exact_stats_fresh_memory_ms": timed(lambda: token_stats(x, tokens, inv_t), iters),
-               "snapshot_ms": timed(lambda: x.clone(), iters)}
+        row = {
+            "vocab": vocab,
+            "batch": b,
+            "exact_stats_ms": timed(lambda: token_stats(x, tokens, inv_t, scratch), iters),  # as served
+            "exact_stats_fresh_memory_ms": timed(lambda: token_stats(x, tokens, inv_t), iters),
+            "snapshot_ms": timed(lambda: x.clone(), iters),
+        }
         for k in ks:
             row[f"topk{k}_stats_ms"] = timed(lambda: topk_stats(x * inv_t[:, None], tokens, k), iters)
         row["hook_ms"] = signal_cost.measure(b, vocab, iters, mix=True)["median_ms"]
@@ -122,26 +130,42 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    result = {"args": vars(args), "environment": common.environment(), "torch_threads": torch.get_num_threads(),
-              "models": {}}
+    result = {
+        "args": vars(args),
+        "environment": common.environment(),
+        "torch_threads": torch.get_num_threads(),
+        "models": {},
+    }
     for key in MODELS:
         logits = real_logits(key, args.tokens, args.essays)
-        result["models"][key] = {"vocab": logits.shape[1], "error": errors(logits, ks, temperatures),
-                                 "time": timings(logits.shape[1], batches, ks, args.iters)}
+        result["models"][key] = {
+            "vocab": logits.shape[1],
+            "error": errors(logits, ks, temperatures),
+            "time": timings(logits.shape[1], batches, ks, args.iters),
+        }
         del logits
         common.log_line(f"{key}: done")
     for key, m in result["models"].items():
         print(f"\n{key} (|V| = {m['vocab']}): error against exact H (nats), real text\n")
-        print("| T | k | exact H mean | truncated mean/max err | upper mean/max err | lower mean/max err | "
-              "width mean/max | bounds hold |\n|---|---|---|---|---|---|---|---|")
+        print(
+            "| T | k | exact H mean | truncated mean/max err | upper mean/max err | lower mean/max err | "
+            "width mean/max | bounds hold |\n|---|---|---|---|---|---|---|---|"
+        )
         for r in m["error"]:
-            print(f"| {r['temperature']} | {r['k']} | {r['exact_mean']:.3f} | {r['truncated_abs_mean']:.4f} / "
-                  f"{r['truncated_abs_max']:.3f} | {r['upper_abs_mean']:.4f} / {r['upper_abs_max']:.3f} | "
-                  f"{r['lower_abs_mean']:.4f} / {r['lower_abs_max']:.3f} | {r['width_mean']:.4f} / "
-                  f"{r['width_max']:.3f} | {r['bounds_hold']} |")
+            print(
+                f"| {r['temperature']} | {r['k']} | {r['exact_mean']:.3f} | {r['truncated_abs_mean']:.4f} / "
+                f"{r['truncated_abs_max']:.3f} | {r['upper_abs_mean']:.4f} / {r['upper_abs_max']:.3f} | "
+                f"{r['lower_abs_mean']:.4f} / {r['lower_abs_max']:.3f} | {r['width_mean']:.4f} / "
+                f"{r['width_max']:.3f} | {r['bounds_hold']} |"
+            )
         print(f"\n{key}: ms per step (median)\n")
-        cols = ["exact_stats_ms", "exact_stats_fresh_memory_ms", *[f"topk{k}_stats_ms" for k in ks], "snapshot_ms",
-                "hook_ms"]
+        cols = [
+            "exact_stats_ms",
+            "exact_stats_fresh_memory_ms",
+            *[f"topk{k}_stats_ms" for k in ks],
+            "snapshot_ms",
+            "hook_ms",
+        ]
         print("| batch | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
         for r in m["time"]:
             print(f"| {r['batch']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")

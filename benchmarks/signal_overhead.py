@@ -48,10 +48,22 @@ from common import (  # noqa: E402
 )
 
 TOPICS = [
-    "a lighthouse keeper", "a robot learning to paint", "the last tree on Mars", "a detective cat",
-    "a time-travelling baker", "a city under the sea", "two rival chess players", "a dragon who hates gold",
-    "a lost letter", "a village of clockmakers", "a pirate afraid of water", "the first day of winter",
-    "a librarian ghost", "a storm chaser", "an astronaut's garden", "a talking river",
+    "a lighthouse keeper",
+    "a robot learning to paint",
+    "the last tree on Mars",
+    "a detective cat",
+    "a time-travelling baker",
+    "a city under the sea",
+    "two rival chess players",
+    "a dragon who hates gold",
+    "a lost letter",
+    "a village of clockmakers",
+    "a pirate afraid of water",
+    "the first day of winter",
+    "a librarian ghost",
+    "a storm chaser",
+    "an astronaut's garden",
+    "a talking river",
 ]
 TARGET_SLOWDOWN = 0.03
 
@@ -103,8 +115,10 @@ def measure_server(kind: str, url: str, args) -> dict:
             d["wall_1"].append(short.wall_s)
             d["tok_s"].append(batch.tokens_per_s)
             d["tokens"].append(batch.completion_tokens)
-            log_line(f"{kind} B={b} rep {rep}: {batch.tokens_per_s:.1f} tok/s "
-                     f"(wall {batch.wall_s:.2f}s, 1-token wall {short.wall_s:.2f}s)")
+            log_line(
+                f"{kind} B={b} rep {rep}: {batch.tokens_per_s:.1f} tok/s "
+                f"(wall {batch.wall_s:.2f}s, 1-token wall {short.wall_s:.2f}s)"
+            )
     for b, d in per_b.items():
         d["decode_tok_s"] = _decode_rate(b, args.tokens, d["wall_n"], d["wall_1"])
     return {str(b): d for b, d in per_b.items()}
@@ -128,16 +142,28 @@ def run(args) -> dict:
             else:
                 cmd = ours_command(port, common, mode="signal")
             log_line(f"round {rnd}: starting {kind}")
-            with start_server(f"overhead-{kind}", cmd, port, server_env(args.device, stock=kind == "stock"),
-                              args.startup_timeout) as srv:
+            with start_server(
+                f"overhead-{kind}", cmd, port, server_env(args.device, stock=kind == "stock"), args.startup_timeout
+            ) as srv:
                 info = srv.info().get("entropic")
-                if kind == "ours" and not (info and info.get("plugin_loaded_in_scheduler") and info.get("hooks_applied")):
+                if kind == "ours" and not (
+                    info and info.get("plugin_loaded_in_scheduler") and info.get("hooks_applied")
+                ):
                     raise RuntimeError(f"ours: plugin not active in the scheduler: {info!r}")
                 if kind == "stock" and info is not None:
                     raise RuntimeError(f"stock: /server_info has an entropic section: {info!r}")
                 result = measure_server(kind, srv.url, args)
-                sessions.append({"round": rnd, "kind": kind, "startup_s": srv.startup_s, "command": cmd,
-                                 "log": str(srv.log), "entropic_info": info, "batch": result})
+                sessions.append(
+                    {
+                        "round": rnd,
+                        "kind": kind,
+                        "startup_s": srv.startup_s,
+                        "command": cmd,
+                        "log": str(srv.log),
+                        "entropic_info": info,
+                        "batch": result,
+                    }
+                )
     return {"sessions": sessions, "summary": summarize(sessions, args)}
 
 
@@ -173,18 +199,34 @@ def summarize(sessions: list[dict], args) -> dict:
 
 
 def table(summary: dict) -> str:
-    headers = ["batch", "stock tok/s", "ours tok/s", "slowdown", "stock decode tok/s", "ours decode tok/s",
-               "decode slowdown", "per-round slowdown", "spread stock/ours", f"<= {TARGET_SLOWDOWN:.0%}"]
+    headers = [
+        "batch",
+        "stock tok/s",
+        "ours tok/s",
+        "slowdown",
+        "stock decode tok/s",
+        "ours decode tok/s",
+        "decode slowdown",
+        "per-round slowdown",
+        "spread stock/ours",
+        f"<= {TARGET_SLOWDOWN:.0%}",
+    ]
     rows = []
     for b, r in summary.items():
-        rows.append([
-            b, r["stock"]["tok_s_median"], r["ours"]["tok_s_median"], f"{r['slowdown']:+.2%}",
-            r["stock"]["decode_tok_s"], r["ours"]["decode_tok_s"],
-            "n/a" if r["decode_slowdown"] != r["decode_slowdown"] else f"{r['decode_slowdown']:+.2%}",
-            ", ".join(f"{x:+.1%}" for x in r["per_round_slowdown"]),
-            f"{r['stock']['spread']:.1%} / {r['ours']['spread']:.1%}",
-            "yes" if r["within_target"] else "NO",
-        ])
+        rows.append(
+            [
+                b,
+                r["stock"]["tok_s_median"],
+                r["ours"]["tok_s_median"],
+                f"{r['slowdown']:+.2%}",
+                r["stock"]["decode_tok_s"],
+                r["ours"]["decode_tok_s"],
+                "n/a" if r["decode_slowdown"] != r["decode_slowdown"] else f"{r['decode_slowdown']:+.2%}",
+                ", ".join(f"{x:+.1%}" for x in r["per_round_slowdown"]),
+                f"{r['stock']['spread']:.1%} / {r['ours']['spread']:.1%}",
+                "yes" if r["within_target"] else "NO",
+            ]
+        )
     return markdown_table(headers, rows)
 
 
@@ -197,8 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M")
-    ap.add_argument("--server-arg", action="append", default=[], help="extra sglang flag for both servers (repeatable; "
-                    "use --server-arg=--flag --server-arg=value)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra sglang flag for both servers (repeatable; use --server-arg=--flag --server-arg=value)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="per-request timeout (s)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run: 8 tokens, 1 repeat, B in {1, 2}, 1 round")
@@ -214,8 +260,10 @@ def main(argv=None) -> int:
     out = {"benchmark": "signal_overhead", "args": vars(args), "environment": environment(), **result}
     path = write_json("signal_overhead", out, publish=None if args.quick else "signal_overhead")
     print("## Signal recording overhead (stock SGLang vs `--entropic signal` + return_entropy)\n")
-    print(f"{args.tokens} new tokens, greedy, ignore_eos, {args.dtype} on {args.device}, {args.repeats} repeats x "
-          f"{args.rounds} round(s) (ABBA), medians.\n")
+    print(
+        f"{args.tokens} new tokens, greedy, ignore_eos, {args.dtype} on {args.device}, {args.repeats} repeats x "
+        f"{args.rounds} round(s) (ABBA), medians.\n"
+    )
     print(table(result["summary"]))
     print(f"\nJSON: {path}")
     return 0

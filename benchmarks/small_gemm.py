@@ -51,17 +51,38 @@ def main() -> None:
         for name, (k, n) in SHAPES.items():
             w = torch.randn(n, k, dtype=getattr(torch, dtype))
             times = {m: per_call_us(torch.randn(m, k, dtype=w.dtype), w, args.seconds) for m in rows}
-            results.append({"dtype": dtype, "shape": name, "k": k, "n": n, "us": times,
-                            "x_one_row": {m: t / times[rows[0]] for m, t in times.items()}})
-            common.log_line(f"{dtype} {name}: " + " ".join(f"M={m} {t:.0f}us ({t / times[rows[0]]:.2f}x)"
-                                                           for m, t in times.items()))
-    table = common.markdown_table(["dtype", "weights", *[f"M={m}" for m in rows]],
-                                  [[r["dtype"], f"{r['k']}x{r['n']}", *[f"{r['us'][m]:.0f} us ({r['x_one_row'][m]:.2f}x)"
-                                                                          for m in rows]] for r in results])
+            results.append(
+                {
+                    "dtype": dtype,
+                    "shape": name,
+                    "k": k,
+                    "n": n,
+                    "us": times,
+                    "x_one_row": {m: t / times[rows[0]] for m, t in times.items()},
+                }
+            )
+            common.log_line(
+                f"{dtype} {name}: " + " ".join(f"M={m} {t:.0f}us ({t / times[rows[0]]:.2f}x)" for m, t in times.items())
+            )
+    table = common.markdown_table(
+        ["dtype", "weights", *[f"M={m}" for m in rows]],
+        [
+            [r["dtype"], f"{r['k']}x{r['n']}", *[f"{r['us'][m]:.0f} us ({r['x_one_row'][m]:.2f}x)" for m in rows]]
+            for r in results
+        ],
+    )
     print(table)
-    common.write_json("small_gemm", {"args": vars(args), "environment": common.environment(),
-                                     "threads": torch.get_num_threads(), "results": results, "markdown": table},
-                      publish="small_gemm")
+    common.write_json(
+        "small_gemm",
+        {
+            "args": vars(args),
+            "environment": common.environment(),
+            "threads": torch.get_num_threads(),
+            "results": results,
+            "markdown": table,
+        },
+        publish="small_gemm",
+    )
 
 
 if __name__ == "__main__":

@@ -115,12 +115,22 @@ class Runtime:
         from sgl_entropic.plugin import runtime
 
         load_plugins()
-        args = ServerArgs(model_path=str(prepare_model(model)), device="cpu", dtype=dtype, page_size=page_size,
-                          attention_backend="entropic", max_total_tokens=max_total_tokens, disable_cuda_graph=True)
+        args = ServerArgs(
+            model_path=str(prepare_model(model)),
+            device="cpu",
+            dtype=dtype,
+            page_size=page_size,
+            attention_backend="entropic",
+            max_total_tokens=max_total_tokens,
+            disable_cuda_graph=True,
+        )
         args.resolve_once()
         _set_envs_and_config(args)
-        one_batch.publish(args, role="scheduler", ranks=one_batch.SpawnRanks(
-            world_rank=one_batch.spawn_world_rank(args, tp_rank=0, pp_rank=0), gpu_id=0))
+        one_batch.publish(
+            args,
+            role="scheduler",
+            ranks=one_batch.SpawnRanks(world_rank=one_batch.spawn_world_rank(args, tp_rank=0, pp_rank=0), gpu_id=0),
+        )
         one_batch._init_process_global_configs()
         bench_runner, self.tokenizer = one_batch.load_model(args, PortArgs.init_new(args), 0, 0)
         self.ob, self.bench, self.runner = one_batch, bench_runner, bench_runner.torch_runner
@@ -201,8 +211,11 @@ def compare(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> dict:
     logp_s = torch.log_softmax(sparse_logits[1:], dim=-1)
     kl = (logp_d.exp() * (logp_d - logp_s)).sum(dim=-1).clamp_min(0.0)
     top2 = logp_d.exp().topk(2, dim=-1).values
-    return {"kl": kl.tolist(), "agree": (logp_d.argmax(-1) == logp_s.argmax(-1)).tolist(),
-            "gap": (top2[:, 0] - top2[:, 1]).tolist()}
+    return {
+        "kl": kl.tolist(),
+        "agree": (logp_d.argmax(-1) == logp_s.argmax(-1)).tolist(),
+        "gap": (top2[:, 0] - top2[:, 1]).tolist(),
+    }
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -232,13 +245,20 @@ class Tally:
     def summary(self) -> dict:
         wide = [a for a, g in zip(self.agree, self.gap) if g >= GAP]
         return {
-            "positions": len(self.kl), "kl_mean": statistics.fmean(self.kl), "kl_p95": p95(self.kl),
-            "top1": statistics.fmean(self.agree), "top1_gap": statistics.fmean(wide) if wide else float("nan"),
-            "gap_positions": len(wide), "gap_misses": len(wide) - sum(wide),
-            "lcs_mean": _mean(self.lcs.values()), "same_token_share": _mean(self.same.values()),
-            "lead_mean": _mean(self.lead.values()), "kept_share": statistics.fmean(self.kept),
+            "positions": len(self.kl),
+            "kl_mean": statistics.fmean(self.kl),
+            "kl_p95": p95(self.kl),
+            "top1": statistics.fmean(self.agree),
+            "top1_gap": statistics.fmean(wide) if wide else float("nan"),
+            "gap_positions": len(wide),
+            "gap_misses": len(wide) - sum(wide),
+            "lcs_mean": _mean(self.lcs.values()),
+            "same_token_share": _mean(self.same.values()),
+            "lead_mean": _mean(self.lead.values()),
+            "kept_share": statistics.fmean(self.kept),
             # the budget's spread across steps: an adaptive budget should span >= 2x from p10 to p90
-            "kept_p10": quantile(self.kept, 0.10), "kept_p90": quantile(self.kept, 0.90),
+            "kept_p10": quantile(self.kept, 0.10),
+            "kept_p90": quantile(self.kept, 0.90),
             "lcs_per_window": self.lcs,
         }
 
@@ -246,8 +266,9 @@ class Tally:
 # ---------------------------------------------------------------------------- retrieval
 
 
-def needle_prompt(tokenizer, essay: str, context: int, names: list[str], keys: list[int], depths: list[float],
-                  ask: int) -> str:
+def needle_prompt(
+    tokenizer, essay: str, context: int, names: list[str], keys: list[int], depths: list[float], ask: int
+) -> str:
     """Three secret numbers hidden at `depths` of an essay haystack; the question asks for one."""
     ids = tokenizer(essay, add_special_tokens=False).input_ids[: context - 80 * len(names)]
     parts, last = [], 0
@@ -294,24 +315,28 @@ def configs(args) -> dict[str, PruningConfig]:
     base.setdefault("min_context", 1024)  # quality wherever it prunes, whatever this machine's crossover
     default = PruningConfig(**base)
     variant = lambda **update: default.model_copy(update=update)  # noqa: E731
-    out = {"default": default,
-           "bound only (no rescoring)": variant(shortlist_ratio=None),
-           "per KV head": variant(per_head=True),
-           "previous default (bound only, 40-60 %)": variant(shortlist_ratio=None, min_keep_ratio=0.4,
-                                                             max_keep_ratio=0.6),
-           "surprisal (the paper's)": variant(selector="surprisal", shortlist_ratio=None)}
+    out = {
+        "default": default,
+        "bound only (no rescoring)": variant(shortlist_ratio=None),
+        "per KV head": variant(per_head=True),
+        "previous default (bound only, 40-60 %)": variant(shortlist_ratio=None, min_keep_ratio=0.4, max_keep_ratio=0.6),
+        "surprisal (the paper's)": variant(selector="surprisal", shortlist_ratio=None),
+    }
     if args.entropy_budget:  # the paper's entropy-sized budget; compare it with --shares at its mean share
         lo, hi = args.entropy_budget
-        out[f"entropy budget {lo:.0%}-{hi:.0%}"] = variant(min_keep_ratio=lo, max_keep_ratio=hi,
-                                                          shortlist_ratio=max(hi, default.shortlist_ratio or hi))
+        out[f"entropy budget {lo:.0%}-{hi:.0%}"] = variant(
+            min_keep_ratio=lo, max_keep_ratio=hi, shortlist_ratio=max(hi, default.shortlist_ratio or hi)
+        )
     for share in args.shares:  # fixed budgets: the trade-off curve, and the entropy budget's control
-        out[f"fixed {share:.0%}"] = variant(min_keep_ratio=share, max_keep_ratio=share,
-                                           shortlist_ratio=max(share, default.shortlist_ratio or share))
+        out[f"fixed {share:.0%}"] = variant(
+            min_keep_ratio=share, max_keep_ratio=share, shortlist_ratio=max(share, default.shortlist_ratio or share)
+        )
     return out
 
 
-def run_suite(rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], steps: int, log,
-              free_running: Optional[set] = None) -> dict:
+def run_suite(
+    rt: Runtime, cfgs: dict[str, PruningConfig], wins: list[Window], steps: int, log, free_running: Optional[set] = None
+) -> dict:
     """Per config and context: teacher-forced KL and top-1 against dense (the dense pass made once per
     window) and, for the configs in free_running (None: all), the greedy continuation's agreement."""
     results: dict = {}
@@ -345,16 +370,27 @@ def run_retrieval(rt: Runtime, cfgs: dict[str, PruningConfig], cases, log) -> di
         out["dense"].append({"kind": kind, "context": len(ids), "ok": answered(rt.tokenizer.decode(tokens)) == key})
         for name, cfg in cfgs.items():
             tokens, _, kept = rt.generate(rt.backend(cfg), ids, 10)
-            out.setdefault(name, []).append({"kind": kind, "context": len(ids), "kept": statistics.fmean(kept),
-                                             "ok": answered(rt.tokenizer.decode(tokens)) == key})
-        log(f"retrieval {kind} {len(ids)} tok: dense {'ok' if out['dense'][-1]['ok'] else 'MISS'}, "
-            + ", ".join(f"{n} {'ok' if out[n][-1]['ok'] else 'MISS'}" for n in cfgs))
+            out.setdefault(name, []).append(
+                {
+                    "kind": kind,
+                    "context": len(ids),
+                    "kept": statistics.fmean(kept),
+                    "ok": answered(rt.tokenizer.decode(tokens)) == key,
+                }
+            )
+        log(
+            f"retrieval {kind} {len(ids)} tok: dense {'ok' if out['dense'][-1]['ok'] else 'MISS'}, "
+            + ", ".join(f"{n} {'ok' if out[n][-1]['ok'] else 'MISS'}" for n in cfgs)
+        )
     return out
 
 
 def table(quality: dict, retrieval: Optional[dict]) -> str:
-    rows = ["| config | context | KL mean | KL p95 | top-1 | top-1 (gap >= 0.02) | LCS (ROUGE-L) | same token | "
-            "lead | kept share (p10-p90) | retrieval |", "|" + "---|" * 11]
+    rows = [
+        "| config | context | KL mean | KL p95 | top-1 | top-1 (gap >= 0.02) | LCS (ROUGE-L) | same token | "
+        "lead | kept share (p10-p90) | retrieval |",
+        "|" + "---|" * 11,
+    ]
     for name, per in quality.items():
         for ctx, s in sorted(per.items()):
             ret = ""
@@ -362,9 +398,11 @@ def table(quality: dict, retrieval: Optional[dict]) -> str:
                 mine = [r for r in retrieval[name] if round(r["context"] / 1000) == ctx]
                 dense = [r for r in retrieval["dense"] if round(r["context"] / 1000) == ctx]
                 ret = f"{sum(r['ok'] for r in mine)}/{len(mine)} (dense {sum(r['ok'] for r in dense)})"
-            rows.append(f"| {name} | {ctx}k | {s['kl_mean']:.4f} | {s['kl_p95']:.3f} | {s['top1']:.1%} | "
-                        f"{s['top1_gap']:.1%} ({s['gap_misses']} of {s['gap_positions']}) | {s['lcs_mean']:.2f} | "
-                        f"{s['same_token_share']:.0%} | {s['lead_mean']:.1f} | {s['kept_share']:.0%} ({s['kept_p10']:.0%}-{s['kept_p90']:.0%}) | {ret} |")
+            rows.append(
+                f"| {name} | {ctx}k | {s['kl_mean']:.4f} | {s['kl_p95']:.3f} | {s['top1']:.1%} | "
+                f"{s['top1_gap']:.1%} ({s['gap_misses']} of {s['gap_positions']}) | {s['lcs_mean']:.2f} | "
+                f"{s['same_token_share']:.0%} | {s['lead_mean']:.1f} | {s['kept_share']:.0%} ({s['kept_p10']:.0%}-{s['kept_p90']:.0%}) | {ret} |"
+            )
     return "\n".join(rows)
 
 
@@ -372,23 +410,43 @@ def main() -> None:
     from common import data_name, environment, log_line, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="2000:1,4000:3,7000:2",
-                    help="context:windows, the windows per kind (essay, code) of each context length")
+    ap.add_argument(
+        "--contexts",
+        default="2000:1,4000:3,7000:2",
+        help="context:windows, the windows per kind (essay, code) of each context length",
+    )
     ap.add_argument("--steps", type=int, default=48, help="generated tokens per window")
-    ap.add_argument("--shares", default="", help="fixed kept shares of the candidates (e.g. 0.2,0.25), for the "
-                    "trade-off and as the entropy budget's control at its mean share")
-    ap.add_argument("--entropy-budget", default="", help="min,max keep ratios of the entropy-sized budget, e.g. 0.15,0.6")
+    ap.add_argument(
+        "--shares",
+        default="",
+        help="fixed kept shares of the candidates (e.g. 0.2,0.25), for the "
+        "trade-off and as the entropy budget's control at its mean share",
+    )
+    ap.add_argument(
+        "--entropy-budget", default="", help="min,max keep ratios of the entropy-sized budget, e.g. 0.15,0.6"
+    )
     ap.add_argument("--configs", default="", help="run only these configs (comma-separated names, default all)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--entropic-config", default=None, help="EntropicConfig JSON whose pruning section is the default")
     ap.add_argument("--no-retrieval", action="store_true")
-    ap.add_argument("--checked", default="", help="only these configs also run free and answer the retrieval "
-                    "cases (comma-separated names, default all); the others are teacher-forced only")
+    ap.add_argument(
+        "--checked",
+        default="",
+        help="only these configs also run free and answer the retrieval "
+        "cases (comma-separated names, default all); the others are teacher-forced only",
+    )
     ap.add_argument("--quick", action="store_true", help="one 2k window of each kind, 16 tokens, 2 configs")
-    ap.add_argument("--model", default="smollm2-135m", help="a shipped model (sgl_entropic.model.MODELS); another "
-                    "than the bundled one publishes docs/data/sparse_quality_<model>.json")
-    ap.add_argument("--retrieval-contexts", default="", help="the retrieval cases' contexts (default: the contexts "
-                    "of 4000 tokens or more)")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a shipped model (sgl_entropic.model.MODELS); another "
+        "than the bundled one publishes docs/data/sparse_quality_<model>.json",
+    )
+    ap.add_argument(
+        "--retrieval-contexts",
+        default="",
+        help="the retrieval cases' contexts (default: the contexts of 4000 tokens or more)",
+    )
     args = ap.parse_args()
     args.shares = [float(x) for x in args.shares.split(",") if x]
     args.entropy_budget = [float(x) for x in args.entropy_budget.split(",") if x]
@@ -408,14 +466,23 @@ def main() -> None:
     quality = run_suite(rt, cfgs, wins, args.steps, log_line, checked)
     retrieval = None
     if not args.no_retrieval:
-        long = ([int(c) for c in args.retrieval_contexts.split(",")] if args.retrieval_contexts
-                else [c for c in contexts if c >= 4000] or list(contexts))
-        retrieval = run_retrieval(rt, {k: v for k, v in cfgs.items() if checked is None or k in checked},
-                                  retrieval_cases(rt.tokenizer, long), log_line)
+        long = (
+            [int(c) for c in args.retrieval_contexts.split(",")]
+            if args.retrieval_contexts
+            else [c for c in contexts if c >= 4000] or list(contexts)
+        )
+        retrieval = run_retrieval(
+            rt,
+            {k: v for k, v in cfgs.items() if checked is None or k in checked},
+            retrieval_cases(rt.tokenizer, long),
+            log_line,
+        )
     md = table(quality, retrieval)
-    path = write_json("sparse_quality", {"environment": environment(), "args": vars(args), "quality": quality,
-                                         "retrieval": retrieval, "markdown": md},
-                      publish=None if args.quick else data_name("sparse_quality", args.model))
+    path = write_json(
+        "sparse_quality",
+        {"environment": environment(), "args": vars(args), "quality": quality, "retrieval": retrieval, "markdown": md},
+        publish=None if args.quick else data_name("sparse_quality", args.model),
+    )
     print(md)
     log_line(f"results: {path}")
 

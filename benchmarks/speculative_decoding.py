@@ -61,8 +61,12 @@ DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 WORKLOADS = ("agent", "doc", "chat", "long", "random")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
-    "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32}, "doc": {1: 4, 4: 4, 8: 6}, "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
-    "long": {1: 2, 8: 8}, "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32}}
+    "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32},
+    "doc": {1: 4, 4: 4, 8: 6},
+    "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
+    "long": {1: 2, 8: 8},
+    "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32},
+}
 OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128, "random": 128}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
@@ -76,10 +80,16 @@ def _sglang_texts() -> tuple[list[str], list[str]]:
     from sglang.srt.managers import schedule_policy
     from sglang.srt.speculative import ngram_worker, spec_utils
 
-    functions = [inspect.getsource(f) for f in (
-        ngram_worker._derive_tree_links, ngram_worker.NGRAMWorker._efficient_concat_last_n,
-        ngram_worker.NGRAMWorker._update_ngram_corpus, spec_utils.move_accept_tokens_to_target_kvcache,
-        schedule_policy.SchedulePolicy.calc_priority)]
+    functions = [
+        inspect.getsource(f)
+        for f in (
+            ngram_worker._derive_tree_links,
+            ngram_worker.NGRAMWorker._efficient_concat_last_n,
+            ngram_worker.NGRAMWorker._update_ngram_corpus,
+            spec_utils.move_accept_tokens_to_target_kvcache,
+            schedule_policy.SchedulePolicy.calc_priority,
+        )
+    ]
     readme = Path(sglang.__file__).with_name("README.md").read_text()
     sections = [s.strip() for s in readme.split("\n## ") if s.strip()]
     return functions, sections
@@ -90,23 +100,34 @@ def agent_trace(path: Path, conversations: int, seed: int) -> Path:
     edit or a JSON extraction of it (the shape the bench client's agentic-trace dataset reads)."""
     rng = random.Random(seed)
     functions, sections = _sglang_texts()
-    system = ("You are a coding assistant working in the SGLang repository. Tool results are shown to you verbatim; "
-              "answer with exactly what the user asks for.")
+    system = (
+        "You are a coding assistant working in the SGLang repository. Tool results are shown to you verbatim; "
+        "answer with exactly what the user asks for."
+    )
     asks = [
-        lambda: ("Tool result (read_file):\n```python\n" + rng.choice(functions) + "```\nReturn this function with a "
-                 "one-line docstring added, unchanged otherwise."),
-        lambda: ("Tool result (read_file):\n" + rng.choice(sections) + "\nExtract every entry above as a JSON list "
-                 "of {\"name\": ..., \"description\": ...} objects."),
-        lambda: ("Tool result (grep):\n```python\n" + rng.choice(functions) + "```\nQuote the lines that call "
-                 "another function, one per line."),
+        lambda: (
+            "Tool result (read_file):\n```python\n" + rng.choice(functions) + "```\nReturn this function with a "
+            "one-line docstring added, unchanged otherwise."
+        ),
+        lambda: (
+            "Tool result (read_file):\n" + rng.choice(sections) + "\nExtract every entry above as a JSON list "
+            'of {"name": ..., "description": ...} objects.'
+        ),
+        lambda: (
+            "Tool result (grep):\n```python\n" + rng.choice(functions) + "```\nQuote the lines that call "
+            "another function, one per line."
+        ),
     ]
     convs = []
     for _ in range(conversations):
         turns = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": rng.choice(asks)()}]}]
         turns += [{"messages": [{"role": "user", "content": rng.choice(asks)()}]} for _ in range(2)]
         convs.append(turns)
-    path.write_text(json.dumps({"metadata": {"generator": "benchmarks/speculative_decoding.py", "seed": seed},
-                                "conversations": convs}))
+    path.write_text(
+        json.dumps(
+            {"metadata": {"generator": "benchmarks/speculative_decoding.py", "seed": seed}, "conversations": convs}
+        )
+    )
     return path
 
 
@@ -138,13 +159,22 @@ def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path
         text = f.read_text()
         if 2000 <= len(tokenizer.encode(text)) <= (3800 if per_prompt == 1 else 3600):
             essays.append(text)
-    questions = ["Summarize the essay above in five bullet points, quoting one sentence of it in each.",
-                 "Quote the essay's first three sentences exactly, then explain them in one line.",
-                 "Which examples does the author give? Quote the sentence of each."]
+    questions = [
+        "Summarize the essay above in five bullet points, quoting one sentence of it in each.",
+        "Quote the essay's first three sentences exactly, then explain them in one line.",
+        "Which examples does the author give? Quote the sentence of each.",
+    ]
     order = rng.sample(essays, len(essays))
-    docs = ["\n\n".join(order[i:i + per_prompt]) for i in range(0, len(order) - per_prompt + 1, per_prompt)]
-    rows = [{"conversations": [{"from": "human", "value": f"{doc}\n\n{rng.choice(questions)}"},
-                               {"from": "gpt", "value": "(answer)"}]} for doc in docs]
+    docs = ["\n\n".join(order[i : i + per_prompt]) for i in range(0, len(order) - per_prompt + 1, per_prompt)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"{doc}\n\n{rng.choice(questions)}"},
+                {"from": "gpt", "value": "(answer)"},
+            ]
+        }
+        for doc in docs
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
@@ -157,36 +187,111 @@ def mtbench(path: Path) -> Path:
 
 def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
     n, out = SIZES[workload][concurrency], OUTPUT_LEN[workload]
-    common_args = ["--num-prompts", str(n), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-                   "--sharegpt-output-len", str(out), "--disable-ignore-eos", "--seed", "1", "--disable-tqdm",
-                   "--flush-cache", "--warmup-requests", "1"]
+    common_args = [
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--sharegpt-output-len",
+        str(out),
+        "--disable-ignore-eos",
+        "--seed",
+        "1",
+        "--disable-tqdm",
+        "--flush-cache",
+        "--warmup-requests",
+        "1",
+    ]
     if workload == "agent":
-        return ["--backend", "sglang-oai-chat", "--dataset-name", "agentic-trace", "--dataset-path",
-                str(files["agent"]), *common_args]
+        return [
+            "--backend",
+            "sglang-oai-chat",
+            "--dataset-name",
+            "agentic-trace",
+            "--dataset-path",
+            str(files["agent"]),
+            *common_args,
+        ]
     if workload == "random":
-        return ["--backend", "sglang", "--dataset-name", "random", "--dataset-path", str(files["random"]),
-                "--random-input-len", "1024", "--random-output-len", str(out), "--random-range-ratio", "0.5",
-                *common_args]
+        return [
+            "--backend",
+            "sglang",
+            "--dataset-name",
+            "random",
+            "--dataset-path",
+            str(files["random"]),
+            "--random-input-len",
+            "1024",
+            "--random-output-len",
+            str(out),
+            "--random-range-ratio",
+            "0.5",
+            *common_args,
+        ]
     if workload in ("doc", "long"):
-        return ["--backend", "sglang", "--dataset-name", "custom", "--dataset-path", str(files[workload]),
-                "--apply-chat-template", *common_args]
-    return ["--backend", "sglang", "--dataset-name", "sharegpt", "--dataset-path", str(files["chat"]),
-            "--apply-chat-template", *common_args]
+        return [
+            "--backend",
+            "sglang",
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            str(files[workload]),
+            "--apply-chat-template",
+            *common_args,
+        ]
+    return [
+        "--backend",
+        "sglang",
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(files["chat"]),
+        "--apply-chat-template",
+        *common_args,
+    ]
 
 
 def run_bench(url: str, model: str, workload: str, concurrency: int, files: dict, tag: str) -> dict:
     out = common.LOG_DIR / f"bench-{tag}-{workload}-{concurrency}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     port = url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--host", "127.0.0.1", "--port", port, "--model", model,
-           "--tokenizer", model, "--output-file", str(out), *bench_args(workload, files, concurrency)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.benchmark.serving",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--output-file",
+        str(out),
+        *bench_args(workload, files, concurrency),
+    ]
     with open(out.with_suffix(".log"), "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=common.server_env("cpu", stock=True),
-                              timeout=7200)
+        proc = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=common.server_env("cpu", stock=True), timeout=7200
+        )
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {out.with_suffix('.log')}")
+        raise RuntimeError(
+            f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {out.with_suffix('.log')}"
+        )
     r = json.loads(out.read_text().strip().splitlines()[-1])
-    keep = ("output_throughput", "median_e2e_latency_ms", "p99_e2e_latency_ms", "median_tpot_ms", "mean_tpot_ms",
-            "median_ttft_ms", "completed", "total_output_tokens", "duration")
+    keep = (
+        "output_throughput",
+        "median_e2e_latency_ms",
+        "p99_e2e_latency_ms",
+        "median_tpot_ms",
+        "mean_tpot_ms",
+        "median_ttft_ms",
+        "completed",
+        "total_output_tokens",
+        "duration",
+    )
     return {k: r[k] for k in keep}
 
 
@@ -213,20 +318,36 @@ def spec_during(before: dict, after: dict) -> dict:
     """Verify steps between two /server_info reads (they accumulate): widths, drafts, accepted, committed."""
     if not after:
         return {}
-    keys = ("verify_steps", "plain_steps", "rows", "verified", "drafted", "accepted", "committed", "shadow_tried",
-            "shadow_right", "corpus_drafted", "corpus_accepted")
+    keys = (
+        "verify_steps",
+        "plain_steps",
+        "rows",
+        "verified",
+        "drafted",
+        "accepted",
+        "committed",
+        "shadow_tried",
+        "shadow_right",
+        "corpus_drafted",
+        "corpus_accepted",
+    )
     diff = {k: after["totals"].get(k, 0) - (before or {}).get("totals", {}).get(k, 0) for k in keys}
     r = diff["rows"] or 1
-    return {**diff, "mean_width": diff["verified"] / r, "drafted_per_row_step": diff["drafted"] / r,
-            "accepted_per_verify": diff["accepted"] / r, "committed_per_verify": diff["committed"] / r,
-            "verified_per_committed": diff["verified"] / diff["committed"] if diff["committed"] else None}
+    return {
+        **diff,
+        "mean_width": diff["verified"] / r,
+        "drafted_per_row_step": diff["drafted"] / r,
+        "accepted_per_verify": diff["accepted"] / r,
+        "committed_per_verify": diff["committed"] / r,
+        "verified_per_committed": diff["verified"] / diff["committed"] if diff["committed"] else None,
+    }
 
 
 def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
     config, _, dtype = config.partition("@")  # e.g. stock@float32: that server in another dtype than the run's
     if dtype:
         at = common_args.index("--dtype") + 1
-        common_args = [*common_args[:at], dtype, *common_args[at + 1:]]
+        common_args = [*common_args[:at], dtype, *common_args[at + 1 :]]
     if config == "stock":
         return common.stock_command(port, common_args)
     if config == "ours":
@@ -236,8 +357,12 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
     if config == "default":
         return common.ours_command(port, common_args, "full")
     if config == "corpus":
-        corpus = ["--speculative-ngram-external-corpus-path", str(CORPUS), "--speculative-ngram-external-sam-budget",
-                  str(CORPUS_BUDGET)]
+        corpus = [
+            "--speculative-ngram-external-corpus-path",
+            str(CORPUS),
+            "--speculative-ngram-external-sam-budget",
+            str(CORPUS_BUDGET),
+        ]
         return common.ours_command(port, common_args + corpus, "full")
     rule, width = ("fixed", int(config.split("-")[1])) if config.startswith("fixed-") else (config, MAX_WIDTH)
     spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(width)]
@@ -252,13 +377,24 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--configs", default="stock,ours,fixed-2,fixed-4,acceptance,entropy")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--output", default=None, help=f"default: {DATA.relative_to(common.ROOT)} (another model: "
-                    "its name before .json)")
+    ap.add_argument(
+        "--output",
+        default=None,
+        help=f"default: {DATA.relative_to(common.ROOT)} (another model: its name before .json)",
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 requests each, 32 tokens")
-    ap.add_argument("--summarize", metavar="RUN_JSON",
-                    help="write the table again from a run's file (a partial one: over the rounds it finished)")
-    ap.add_argument("--exclude", nargs="*", default=[], metavar="ROUND:CONFIG:WORKLOAD:CONCURRENCY",
-                    help="with --summarize: runs left out of the table (kept in the JSON under 'excluded')")
+    ap.add_argument(
+        "--summarize",
+        metavar="RUN_JSON",
+        help="write the table again from a run's file (a partial one: over the rounds it finished)",
+    )
+    ap.add_argument(
+        "--exclude",
+        nargs="*",
+        default=[],
+        metavar="ROUND:CONFIG:WORKLOAD:CONCURRENCY",
+        help="with --summarize: runs left out of the table (kept in the JSON under 'excluded')",
+    )
     ap.add_argument("--why", default="", help="with --exclude: the reason, recorded in the JSON")
     args = ap.parse_args()
     if args.summarize:
@@ -268,8 +404,15 @@ def main() -> None:
         key = lambda r: (str(r["round"]), r["config"], r["workload"], str(r["concurrency"]))  # noqa: E731
         runs = [r for r in partial["runs"] if key(r) not in drop]
         excluded = {"why": args.why, "runs": [r for r in partial["runs"] if key(r) in drop]} if drop else None
-        return finish(runs, old, old.configs.split(","), old.workloads.split(","),
-                      [int(c) for c in old.concurrency.split(",")], source=(args.summarize, partial), excluded=excluded)
+        return finish(
+            runs,
+            old,
+            old.configs.split(","),
+            old.workloads.split(","),
+            [int(c) for c in old.concurrency.split(",")],
+            source=(args.summarize, partial),
+            excluded=excluded,
+        )
     if args.quick:
         args.rounds = 1
         for w in SIZES:
@@ -289,18 +432,20 @@ def main() -> None:
         args.output = str(DATA.with_name(common.data_name(DATA.stem, args.model) + ".json"))
 
     common.LOG_DIR.mkdir(parents=True, exist_ok=True)
-    make = {"agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
-            "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
-            "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
-            "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
-            "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2)}
+    make = {
+        "agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
+        "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
+        "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
+        "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
+        "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2),
+    }
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
     if "corpus" in configs:
         agent_corpus(CORPUS)
     common_args = common.sglang_common_args(model, "cpu", args.dtype, CHAT_TEMPLATE.get(args.model, []))
     runs = []
     for rnd in range(rounds):
-        order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+        order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
         for config in order:
             port = common.free_port()
             cmd = config_command(config, port, common_args)
@@ -320,27 +465,50 @@ def main() -> None:
                         r["pruning_min_context"] = pruning_from(info)
                         runs.append({"round": rnd, "config": config, "workload": w, "concurrency": c, **r})
                         s = r["speculative"]
-                        common.log_line(f"round {rnd} {config} {w} B{c}: {r['output_throughput']:.1f} tok/s, "
-                                        f"TPOT {r['median_tpot_ms']:.0f} ms" + (
-                                            f", {s['committed_per_verify']:.2f} tokens/verify, width "
-                                            f"{s['mean_width']:.1f}" if s.get("rows") else ""))
+                        common.log_line(
+                            f"round {rnd} {config} {w} B{c}: {r['output_throughput']:.1f} tok/s, "
+                            f"TPOT {r['median_tpot_ms']:.0f} ms"
+                            + (
+                                f", {s['committed_per_verify']:.2f} tokens/verify, width {s['mean_width']:.1f}"
+                                if s.get("rows")
+                                else ""
+                            )
+                        )
             partial = {"runs": runs, "args": vars(args), "partial": True}
             common.write_json("speculative_decoding-partial", partial)
     finish(runs, args, configs, workloads, concurrencies)
 
 
-def finish(runs: list[dict], args, configs: list[str], workloads: list[str], concurrencies: list[int],
-           source: Optional[tuple[str, dict]] = None, excluded: Optional[dict] = None) -> None:
+def finish(
+    runs: list[dict],
+    args,
+    configs: list[str],
+    workloads: list[str],
+    concurrencies: list[int],
+    source: Optional[tuple[str, dict]] = None,
+    excluded: Optional[dict] = None,
+) -> None:
     """The table and the JSON; `source`: (path, contents) of the run's file when written again from it."""
     summary, text = summarize(runs, configs, workloads, concurrencies)
-    data = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "environment": common.environment(),
-            "args": vars(args), "configs": configs, "sizes": SIZES, "output_len": OUTPUT_LEN, "summary": summary,
-            "runs": runs, "markdown": text}
+    data = {
+        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
+        "environment": common.environment(),
+        "args": vars(args),
+        "configs": configs,
+        "sizes": SIZES,
+        "output_len": OUTPUT_LEN,
+        "summary": summary,
+        "runs": runs,
+        "markdown": text,
+    }
     if source:  # a table written again from a run's file: which rounds each configuration has
         path, run = source
         data["summarized_from"] = {
-            "file": Path(path).name, "run_command": run.get("command"), "run_environment": run.get("environment"),
-            "rounds_done": {c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs}}
+            "file": Path(path).name,
+            "run_command": run.get("command"),
+            "run_environment": run.get("environment"),
+            "rounds_done": {c: sorted({r["round"] for r in runs if r["config"] == c}) for c in configs},
+        }
     if excluded:
         data["excluded"] = excluded
     out = Path(args.output)
@@ -352,8 +520,14 @@ def finish(runs: list[dict], args, configs: list[str], workloads: list[str], con
 def best_fixed(runs: list[dict], workload: str, concurrency: int) -> Optional[str]:
     """The fixed length with the highest median output throughput on this workload and batch size."""
     fixed = {r["config"] for r in runs if r["config"].startswith("fixed-")}
-    mine = lambda c: [r["output_throughput"] for r in runs  # noqa: E731
-                      if (r["workload"], r["concurrency"], r["config"]) == (workload, concurrency, c)]
+
+    def mine(c: str) -> list[float]:
+        return [
+            r["output_throughput"]
+            for r in runs
+            if (r["workload"], r["concurrency"], r["config"]) == (workload, concurrency, c)
+        ]
+
     return max(sorted(fixed), key=lambda c: common.median(mine(c)), default=None)
 
 
@@ -379,17 +553,21 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
             rows, key = [], f"{w}-B{c}"
             summary[key] = {}
             best = best_fixed(runs, w, c)
-            by_round = lambda config: {r["round"]: r for r in runs  # noqa: E731
-                                       if (r["workload"], r["concurrency"], r["config"]) == (w, c, config)}
+
+            def by_round(config: str, w: str = w, c: int = c) -> dict:
+                return {r["round"]: r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (w, c, config)}
+
             for config in configs:
                 mine = list(by_round(config).values())
                 if not mine:
                     continue
                 entry = {}
-                for name, value in (("tok_s", lambda r: r["output_throughput"]),
-                                    ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
-                                    ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0),
-                                    ("p99_e2e_s", lambda r: r["p99_e2e_latency_ms"] / 1000.0)):
+                for name, value in (
+                    ("tok_s", lambda r: r["output_throughput"]),
+                    ("decode_tok_s", lambda r: 1000.0 / r["median_tpot_ms"]),
+                    ("p50_e2e_s", lambda r: r["median_e2e_latency_ms"] / 1000.0),
+                    ("p99_e2e_s", lambda r: r["p99_e2e_latency_ms"] / 1000.0),
+                ):
                     entry[name] = _spread([value(r) for r in mine])
                     for base, label in comparisons(config, best, configs):
                         others = by_round(base)
@@ -397,21 +575,28 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                         if ratios:
                             entry[name][label] = _spread(ratios)
                 specs = [r["speculative"] for r in mine if r["speculative"].get("rows")]
-                for name in ("accepted_per_verify", "committed_per_verify", "verified_per_committed", "mean_width",
-                             "drafted_per_row_step"):
+                for name in (
+                    "accepted_per_verify",
+                    "committed_per_verify",
+                    "verified_per_committed",
+                    "mean_width",
+                    "drafted_per_row_step",
+                ):
                     if specs:
                         entry[name] = _spread([s[name] for s in specs])
                 if any(s.get("corpus_drafted") for s in specs):  # of the accepted drafts, the corpus's share
-                    entry["corpus_share_of_accepted"] = _spread([s["corpus_accepted"] / max(s["accepted"], 1)
-                                                                 for s in specs])
+                    entry["corpus_share_of_accepted"] = _spread(
+                        [s["corpus_accepted"] / max(s["accepted"], 1) for s in specs]
+                    )
                 taus = signal_of(config, by_round, configs)
                 if taus:
                     entry["dtau_dc_per_gflop"] = _spread([t * 1e9 / f for t, f, _ in taus.values()])
                     entry["tau_per_s"] = _spread([t / d for t, _, d in taus.values()])
                     for base, label in comparisons(config, best, configs):
                         theirs = signal_of(base, by_round, configs)
-                        ratios = [(t / d) / (theirs[k][0] / theirs[k][2]) for k, (t, _, d) in taus.items()
-                                  if k in theirs]
+                        ratios = [
+                            (t / d) / (theirs[k][0] / theirs[k][2]) for k, (t, _, d) in taus.items() if k in theirs
+                        ]
                         if ratios:
                             entry["tau_per_s"][label] = _spread(ratios)
                 shares = [r["plugin_time"]["mean_share"] for r in mine if r.get("plugin_time", {}).get("steps")]
@@ -420,20 +605,48 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
                 entry["pruning_min_context"] = [r.get("pruning_min_context") for r in mine]
                 summary[key][config] = entry
                 name = config + (" (best fixed)" if config == best else "")
-                rows.append([name, len(mine), _cell(entry["tok_s"]), _cell(entry["decode_tok_s"]),
-                             _cell(entry["p50_e2e_s"]), _plain(entry["p99_e2e_s"]),
-                             _plain(entry.get("accepted_per_verify")), _plain(entry.get("verified_per_committed")),
-                             _plain(entry.get("mean_width")), _plain(entry.get("dtau_dc_per_gflop"), 1000),
-                             _cell(entry["tau_per_s"]) if "tau_per_s" in entry else "-",
-                             _plain(entry.get("plugin_share"), 100)])
+                rows.append(
+                    [
+                        name,
+                        len(mine),
+                        _cell(entry["tok_s"]),
+                        _cell(entry["decode_tok_s"]),
+                        _cell(entry["p50_e2e_s"]),
+                        _plain(entry["p99_e2e_s"]),
+                        _plain(entry.get("accepted_per_verify")),
+                        _plain(entry.get("verified_per_committed")),
+                        _plain(entry.get("mean_width")),
+                        _plain(entry.get("dtau_dc_per_gflop"), 1000),
+                        _cell(entry["tau_per_s"]) if "tau_per_s" in entry else "-",
+                        _plain(entry.get("plugin_share"), 100),
+                    ]
+                )
             summary[key]["best_fixed"] = best
-            text.append(f"### {w}, concurrency {c}\n\n" + common.markdown_table(
-                ["config", "rounds", "out tok/s", "decode tok/s per request", "p50 E2E s", "p99 E2E s",
-                 "accepted drafts per verify", "verified per committed", "width", "d tau/dC (nats per TFLOP)",
-                 "tau per s (nats)", "plugin % of step"], rows))
-    legend = ("Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
-              "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
-              "speculation), x default (for corpus).")
+            text.append(
+                f"### {w}, concurrency {c}\n\n"
+                + common.markdown_table(
+                    [
+                        "config",
+                        "rounds",
+                        "out tok/s",
+                        "decode tok/s per request",
+                        "p50 E2E s",
+                        "p99 E2E s",
+                        "accepted drafts per verify",
+                        "verified per committed",
+                        "width",
+                        "d tau/dC (nats per TFLOP)",
+                        "tau per s (nats)",
+                        "plugin % of step",
+                    ],
+                    rows,
+                )
+            )
+    legend = (
+        "Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
+        "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
+        "speculation), x default (for corpus)."
+    )
     return summary, legend + "\n\n" + "\n\n".join(text)
 
 
@@ -445,10 +658,16 @@ def signal_of(config: str, by_round, configs: list[str]) -> dict[int, tuple[floa
     runs = by_round(config)
     if name == "stock":
         twin = by_round(f"signal@{dtype}" if dtype else "signal")
-        return {k: (twin[k]["signal"]["tau_nats"], twin[k]["signal"]["cost_flops"], r["duration"])
-                for k, r in runs.items() if twin.get(k, {}).get("signal")}
-    return {k: (r["signal"]["tau_nats"], r["signal"]["cost_flops"], r["duration"]) for k, r in runs.items()
-            if r.get("signal") and r["signal"]["cost_flops"] > 0}
+        return {
+            k: (twin[k]["signal"]["tau_nats"], twin[k]["signal"]["cost_flops"], r["duration"])
+            for k, r in runs.items()
+            if twin.get(k, {}).get("signal")
+        }
+    return {
+        k: (r["signal"]["tau_nats"], r["signal"]["cost_flops"], r["duration"])
+        for k, r in runs.items()
+        if r.get("signal") and r["signal"]["cost_flops"] > 0
+    }
 
 
 def _spread(vals: list[float]) -> dict:
@@ -457,8 +676,12 @@ def _spread(vals: list[float]) -> dict:
 
 def _cell(e: dict) -> str:
     s = f"{e['median']:.3g} ({e['min']:.3g}-{e['max']:.3g})"
-    for label in sorted(k for k in e if k.startswith("vs_stock")) + ["vs_best_fixed", "vs_acceptance", "vs_ours",
-                                                                     "vs_default"]:
+    for label in sorted(k for k in e if k.startswith("vs_stock")) + [
+        "vs_best_fixed",
+        "vs_acceptance",
+        "vs_ours",
+        "vs_default",
+    ]:
         r = e.get(label)
         if r:
             s += f"; x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"

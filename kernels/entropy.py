@@ -71,13 +71,7 @@ def _token_stats_kernel(
     token_in_row = (token >= 0) & (token < vocab)
     token_z = tl.load(row_ptr + token, mask=token_in_row, other=-float("inf"))
     token_logit = token_z.to(tl.float32) * inv_t
-    valid = (
-        (inv_t > 0)
-        & (inv_t < float("inf"))
-        & token_in_row
-        & (bad_entries == 0)
-        & (token_logit > -float("inf"))
-    )
+    valid = (inv_t > 0) & (inv_t < float("inf")) & token_in_row & (bad_entries == 0) & (token_logit > -float("inf"))
 
     log_s = tl.log(s)
     entropy = tl.maximum(log_s - t / s, 0.0)

@@ -52,11 +52,11 @@ def _token_stats(logits: torch.Tensor, token_ids: torch.Tensor, inv_t: torch.Ten
     token_in_range = (token_ids >= 0) & (token_ids < vocab)
     token_logit = x.gather(1, token_ids.clamp(0, vocab - 1)[:, None]).squeeze(1)
     entropy, lse, row_max = _entropy_lse(x)
-    valid = (inv_t > 0) & (inv_t < float("inf")) & token_in_range & torch.isfinite(row_max) & (
-        token_logit > float("-inf"))
+    valid = (
+        (inv_t > 0) & (inv_t < float("inf")) & token_in_range & torch.isfinite(row_max) & (token_logit > float("-inf"))
+    )
     surprisal = lse - torch.where(valid, token_logit, 0.0)
-    return (torch.where(valid, entropy, 0.0), torch.where(valid, surprisal, 0.0), torch.where(valid, lse, 0.0),
-            valid)
+    return (torch.where(valid, entropy, 0.0), torch.where(valid, surprisal, 0.0), torch.where(valid, lse, 0.0), valid)
 
 
 def _entropy(logits: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +89,10 @@ def build() -> Path:
     out = package_dir()
     rows, vocab = Dim("rows", min=1, max=1 << 20), Dim("vocab", min=2, max=1 << 24)
     example = torch.randn(2, 64)
-    args = {"token_stats": (example, torch.zeros(2, dtype=torch.long), torch.ones(2)),
-            "entropy": (example, torch.ones(2))}
+    args = {
+        "token_stats": (example, torch.zeros(2, dtype=torch.long), torch.ones(2)),
+        "entropy": (example, torch.ones(2)),
+    }
     for name, module in (("token_stats", _TokenStats()), ("entropy", _Entropy())):
         path = out / f"{name}.pt2"
         if path.is_file():
@@ -124,12 +126,18 @@ def load() -> Optional[Compiled]:
     """This machine's compiled kernels, or None (not built here, or they do not load: the reason is logged)."""
     directory = package_dir()
     if not all((directory / f"{name}.pt2").is_file() for name in NAMES):
-        logger.info("sgl-entropic: no compiled CPU entropy kernels in %s (python -m sgl_entropic.cpu kernels); "
-                    "eager torch is used", directory)
+        logger.info(
+            "sgl-entropic: no compiled CPU entropy kernels in %s (python -m sgl_entropic.cpu kernels); "
+            "eager torch is used",
+            directory,
+        )
         return None
     try:
         return Compiled(directory)
     except Exception as exc:  # an incompatible torch, a broken package: eager torch serves
-        logger.warning("sgl-entropic: compiled CPU entropy kernels do not load (%s: %s); eager torch is used",
-                       type(exc).__name__, exc)
+        logger.warning(
+            "sgl-entropic: compiled CPU entropy kernels do not load (%s: %s); eager torch is used",
+            type(exc).__name__,
+            exc,
+        )
         return None

@@ -19,7 +19,9 @@ DEFAULT_URL = os.environ.get("SGLANG_ENTROPIC_URL", "http://127.0.0.1:30000")
 
 def parser(description: Optional[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=DEFAULT_URL, help="our server (default: %(default)s, from $SGLANG_ENTROPIC_URL if set)")
+    p.add_argument(
+        "--url", default=DEFAULT_URL, help="our server (default: %(default)s, from $SGLANG_ENTROPIC_URL if set)"
+    )
     p.add_argument("--engine", action="store_true", help="run on an in-process sgl_entropic.Engine instead")
     return p
 

@@ -60,8 +60,14 @@ TASKS = [
 
 # --------------------------------------------------------------------------------------- tools
 
-_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_ARITHMETIC = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 _SIGNS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -141,8 +147,11 @@ def react(s, question: str, thought_params: Optional[dict]):
     s += sgl.user(f"Question: {question}")
     s += sgl.assistant_begin()
     for step in range(MAX_STEPS):
-        thought = (sgl.gen(f"thought_{step}", max_tokens=24, stop="\n") if thought_params is None
-                   else sgl_entropic.gen(f"thought_{step}", max_tokens=24, stop="\n", **thought_params))
+        thought = (
+            sgl.gen(f"thought_{step}", max_tokens=24, stop="\n")
+            if thought_params is None
+            else sgl_entropic.gen(f"thought_{step}", max_tokens=24, stop="\n", **thought_params)
+        )
         s += "Thought:" + thought
         # Greedy under the grammar: the action must parse, so it is not where diversity is wanted.
         s += "\nAction:" + sgl.gen(f"tool_{step}", regex=action_regex(step), temperature=0, max_tokens=4)
@@ -175,23 +184,27 @@ def run(backend, tasks: list[Task] = TASKS, thought_params: Optional[dict] = THO
             if f"tool_{step}" not in state:
                 break
             tool = state[f"tool_{step}"].strip()
-            steps.append({
-                "thought": state[f"thought_{step}"].strip(),
-                "tool": tool,
-                "argument": state[f"argument_{step}"].removesuffix("]"),
-                "observation": state[f"observation_{step}"] if tool in TOOLS else None,
-                "thought_trace": trace_summary(state.get_meta_info(f"thought_{step}")),
-            })
+            steps.append(
+                {
+                    "thought": state[f"thought_{step}"].strip(),
+                    "tool": tool,
+                    "argument": state[f"argument_{step}"].removesuffix("]"),
+                    "observation": state[f"observation_{step}"] if tool in TOOLS else None,
+                    "thought_trace": trace_summary(state.get_meta_info(f"thought_{step}")),
+                }
+            )
         answer = steps[-1]["argument"]  # the loop always ends on finish (forced at the last step)
-        results.append({
-            "question": task.question,
-            "expected": task.expected,
-            "answer": answer,
-            "success": normalize(answer) == normalize(task.expected),
-            "steps": steps,
-            "transcript": state.text(),
-            "seconds": time.perf_counter() - start,
-        })
+        results.append(
+            {
+                "question": task.question,
+                "expected": task.expected,
+                "answer": answer,
+                "success": normalize(answer) == normalize(task.expected),
+                "steps": steps,
+                "transcript": state.text(),
+                "seconds": time.perf_counter() - start,
+            }
+        )
     return {"tasks": results, "success_rate": sum(r["success"] for r in results) / len(results)}
 
 
@@ -199,12 +212,16 @@ def main() -> None:
     result = run_from_args(__doc__, run)
     for task in result["tasks"]:
         verdict = "OK  " if task["success"] else "FAIL"
-        print(f"\n{verdict} {task['question']}  expected {task['expected']!r}, answered {task['answer']!r}"
-              f"  ({len(task['steps'])} steps, {task['seconds']:.1f} s)")
+        print(
+            f"\n{verdict} {task['question']}  expected {task['expected']!r}, answered {task['answer']!r}"
+            f"  ({len(task['steps'])} steps, {task['seconds']:.1f} s)"
+        )
         for step in task["steps"]:
             print(f"  Thought: {step['thought']}")
-            print(f"  Action:  {step['tool']}[{step['argument']}]" + (
-                f"  -> {step['observation']}" if step["observation"] is not None else ""))
+            print(
+                f"  Action:  {step['tool']}[{step['argument']}]"
+                + (f"  -> {step['observation']}" if step["observation"] is not None else "")
+            )
             print(f"           [{format_summary(step['thought_trace'])}]")
     print(f"\nsuccess rate: {result['success_rate']:.0%} of {len(result['tasks'])} tasks")
 

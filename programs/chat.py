@@ -111,8 +111,10 @@ class Turn:
 USERS = {
     "ana": [Turn("What does error code E04 mean?", ("blocked",)), Turn("How do I fix it?", ("rinse",))],
     "ben": [Turn("How much water does the Lungo program use?", ("110",)), Turn("At what temperature?", ("90",))],
-    "chloe": [Turn("How often should I descale the machine?", ("3 months", "three months")),
-              Turn("How long is the warranty?", ("2 years", "two years"))],
+    "chloe": [
+        Turn("How often should I descale the machine?", ("3 months", "three months")),
+        Turn("How long is the warranty?", ("2 years", "two years")),
+    ],
 }
 
 
@@ -136,15 +138,17 @@ def run(backend, users: dict[str, list[Turn]] = USERS, reply_params: dict = REPL
         for i, turn in enumerate(user_turns):
             meta = state.get_meta_info(f"reply_{i}")
             reply = state[f"reply_{i}"].strip()
-            turns.append({
-                "user": user,
-                "question": turn.question,
-                "reply": reply,
-                "grounded": any(fact in reply.lower() for fact in turn.facts),
-                "prompt_tokens": meta["prompt_tokens"],
-                "cached_tokens": meta["cached_tokens"],
-                "trace": trace_summary(meta),
-            })
+            turns.append(
+                {
+                    "user": user,
+                    "question": turn.question,
+                    "reply": reply,
+                    "grounded": any(fact in reply.lower() for fact in turn.facts),
+                    "prompt_tokens": meta["prompt_tokens"],
+                    "cached_tokens": meta["cached_tokens"],
+                    "trace": trace_summary(meta),
+                }
+            )
     return {"turns": turns, "seconds": time.perf_counter() - start}
 
 
@@ -152,8 +156,10 @@ def main() -> None:
     result = run_from_args(__doc__, run)
     for turn in result["turns"]:
         print(f"\n[{turn['user']}] {turn['question']}\n  -> {turn['reply']}")
-        print(f"  prompt {turn['prompt_tokens']} tok, cached {turn['cached_tokens']}"
-              f" ({turn['cached_tokens'] / turn['prompt_tokens']:.0%}) | grounded: {turn['grounded']}")
+        print(
+            f"  prompt {turn['prompt_tokens']} tok, cached {turn['cached_tokens']}"
+            f" ({turn['cached_tokens'] / turn['prompt_tokens']:.0%}) | grounded: {turn['grounded']}"
+        )
         print(f"  [{format_summary(turn['trace'])}]")
     grounded = sum(t["grounded"] for t in result["turns"])
     print(f"\n{len(result['turns'])} turns in {result['seconds']:.1f} s, {grounded} grounded in the manual")

@@ -1,6 +1,6 @@
 """Demo: an @sgl.function program with entropic sampling against the server.
 
-    python programs/demo.py [--url http://127.0.0.1:30000]   (default: $SGLANG_ENTROPIC_URL)
+python programs/demo.py [--url http://127.0.0.1:30000]   (default: $SGLANG_ENTROPIC_URL)
 """
 
 import argparse

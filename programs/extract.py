@@ -39,10 +39,14 @@ PERSON_SCHEMA = {
 }
 
 DOCUMENTS = [
-    ("Maria Lopez is a 34-year-old engineer who lives in Madrid.",
-     {"name": "Maria Lopez", "age": 34, "city": "Madrid"}),
-    ("After retiring at 67, Tom Becker moved to Hamburg to be near his grandchildren.",
-     {"name": "Tom Becker", "age": 67, "city": "Hamburg"}),
+    (
+        "Maria Lopez is a 34-year-old engineer who lives in Madrid.",
+        {"name": "Maria Lopez", "age": 34, "city": "Madrid"},
+    ),
+    (
+        "After retiring at 67, Tom Becker moved to Hamburg to be near his grandchildren.",
+        {"name": "Tom Becker", "age": 67, "city": "Hamburg"},
+    ),
     ("Yuki Tanaka, 22, studies physics in Osaka.", {"name": "Yuki Tanaka", "age": 22, "city": "Osaka"}),
 ]
 
@@ -62,8 +66,12 @@ def check(output: str, expected: dict) -> dict:
         record = json.loads(output)
         jsonschema.validate(record, PERSON_SCHEMA)
     except (json.JSONDecodeError, jsonschema.ValidationError) as err:
-        return {"record": None, "valid": False, "error": f"{type(err).__name__}: {err}".splitlines()[0],
-                "fields_correct": 0}
+        return {
+            "record": None,
+            "valid": False,
+            "error": f"{type(err).__name__}: {err}".splitlines()[0],
+            "fields_correct": 0,
+        }
     correct = sum(record[key] == value for key, value in expected.items())
     return {"record": record, "valid": True, "error": None, "fields_correct": correct}
 
@@ -75,15 +83,17 @@ def run(backend, documents=DOCUMENTS, extraction_params: dict = EXTRACTION_PARAM
         start = time.perf_counter()
         state = extract_person.run(document=document, extraction_params=extraction_params, backend=backend)
         meta = state.get_meta_info("record")
-        results.append({
-            "document": document,
-            "expected": expected,
-            "output": state["record"],
-            **check(state["record"], expected),
-            "entropy": meta["entropy"],
-            "trace": trace_summary(meta),
-            "seconds": time.perf_counter() - start,
-        })
+        results.append(
+            {
+                "document": document,
+                "expected": expected,
+                "output": state["record"],
+                **check(state["record"], expected),
+                "entropy": meta["entropy"],
+                "trace": trace_summary(meta),
+                "seconds": time.perf_counter() - start,
+            }
+        )
     return {
         "documents": results,
         "valid_rate": sum(r["valid"] for r in results) / len(results),

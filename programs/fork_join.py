@@ -67,13 +67,15 @@ def run(backend, questions: dict[str, str] = QUESTIONS, target_entropies=TARGET_
             }
             for target, text, meta in zip(target_entropies, state["candidate"], state["candidate_meta"])
         ]
-        results.append({
-            "question": question,
-            "expected": expected,
-            "candidates": candidates,
-            "chosen": state["chosen"],
-            "seconds": time.perf_counter() - start,
-        })
+        results.append(
+            {
+                "question": question,
+                "expected": expected,
+                "candidates": candidates,
+                "chosen": state["chosen"],
+                "seconds": time.perf_counter() - start,
+            }
+        )
     return {"questions": results}
 
 
@@ -87,8 +89,10 @@ def main() -> None:
             print(f"    [{format_summary(cand['trace'])}]")
     chosen_correct = sum(item["candidates"][item["chosen"]]["correct"] for item in result["questions"])
     any_correct = sum(any(c["correct"] for c in item["candidates"]) for item in result["questions"])
-    print(f"\nchosen answer correct for {chosen_correct} of {len(result['questions'])} questions"
-          f" (some candidate correct for {any_correct})")
+    print(
+        f"\nchosen answer correct for {chosen_correct} of {len(result['questions'])} questions"
+        f" (some candidate correct for {any_correct})"
+    )
 
 
 if __name__ == "__main__":

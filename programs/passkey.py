@@ -25,8 +25,10 @@ if __package__ in (None, ""):  # `python programs/passkey.py`: make the `program
 import sgl_entropic
 from programs._backend import run_from_args
 
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.\n")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 # Tokens of FILLER and of the fixed parts for the bundled SmolLM2 tokenizer; other tokenizers
@@ -75,8 +77,10 @@ def run(backend) -> dict:
         correct += key == case.key
         decode_steps = state.get_meta_info("answer")["attended"][1:]  # element 0: the dense prefill
         attended.append(statistics.fmean(decode_steps) if decode_steps else 1.0)
-        print(f"{case.context_tokens:>5} tok, depth {case.depth:.1f}: key {case.key} -> {state['answer']!r} "
-              f"({'ok' if key == case.key else 'MISSED'}; attended {attended[-1]:.0%} of the context)")
+        print(
+            f"{case.context_tokens:>5} tok, depth {case.depth:.1f}: key {case.key} -> {state['answer']!r} "
+            f"({'ok' if key == case.key else 'MISSED'}; attended {attended[-1]:.0%} of the context)"
+        )
     summary = {"cases": len(cases), "correct": correct, "mean_attended": statistics.fmean(attended)}
     print(f"{correct}/{len(cases)} keys retrieved; decode attended {summary['mean_attended']:.0%} of the context")
     return summary

@@ -44,11 +44,14 @@ def _default(value) -> str:
 
 
 def table() -> str:
-    rows = ["| field | default | range | meaning |", "|---|---|---|---|",
-            f"| `mode` | `{EntropicConfig.model_fields['mode'].default}` | "
-            + " / ".join(f"`{m}`" for m in typing.get_args(EntropicConfig.model_fields["mode"].annotation))
-            + " | which loops run (`--entropic`); `signal` (formerly `off`, still accepted) runs none and records "
-            "the signal |"]
+    rows = [
+        "| field | default | range | meaning |",
+        "|---|---|---|---|",
+        f"| `mode` | `{EntropicConfig.model_fields['mode'].default}` | "
+        + " / ".join(f"`{m}`" for m in typing.get_args(EntropicConfig.model_fields["mode"].annotation))
+        + " | which loops run (`--entropic`); `signal` (formerly `off`, still accepted) runs none and records "
+        "the signal |",
+    ]
     for section, info in EntropicConfig.model_fields.items():
         if section == "mode":
             continue

@@ -30,8 +30,12 @@ DEV, DT = "cuda", torch.bfloat16
 
 def weights():
     w = lambda *s: torch.randn(*s, device=DEV, dtype=DT) * 0.02  # noqa: E731
-    return {"qkv": w((HEADS_Q + 2 * HEADS_KV) * DIM, HIDDEN), "o": w(HIDDEN, HEADS_Q * DIM),
-            "up": w(2 * MLP, HIDDEN), "down": w(HIDDEN, MLP)}
+    return {
+        "qkv": w((HEADS_Q + 2 * HEADS_KV) * DIM, HIDDEN),
+        "o": w(HIDDEN, HEADS_Q * DIM),
+        "up": w(2 * MLP, HIDDEN),
+        "down": w(HIDDEN, MLP),
+    }
 
 
 def layer(x, w, attend):
@@ -87,12 +91,13 @@ def measure(batch: int, context: int, w, shortlist_ratio) -> dict:
     plan = StepPlan.build(rows, torch.arange(batch * pages, device=DEV).view(batch, pages))
     table_i32 = plan.page_table.to(torch.int32)
     q = torch.randn(batch, HEADS_Q, DIM, device=DEV, dtype=DT)
-    select = lambda q: select_pages(TRITON_STAGES, q, k_cache, kmin, kmax, plan, table_i32, DIM ** -0.5)  # noqa: E731
+    select = lambda q: select_pages(TRITON_STAGES, q, k_cache, kmin, kmax, plan, table_i32, DIM**-0.5)  # noqa: E731
     attend_kept = sdpa(*(torch.randn(batch, HEADS_KV, kept, DIM, device=DEV, dtype=DT) for _ in range(2)))
 
     def pruned(q):
         select(q)
         return attend_kept(q)
+
     out["kept_eager"] = timed(lambda: layer(x, w, attend_kept))
     out["selection"] = timed(lambda: select(q))
     out["selection_graph"] = timed(graphed(lambda: select(q)))
@@ -102,27 +107,34 @@ def measure(batch: int, context: int, w, shortlist_ratio) -> dict:
 
 
 def table(w, shortlist_ratio) -> None:
-    print(f"\nOne layer, ms; shortlist_ratio {shortlist_ratio}\n\n| batch | context | kept tokens | dense, graph | "
-          "dense, eager | eager over the kept tokens | selection, eager | selection, graph | pruned, eager | "
-          "pruned, graph | pruned eager / dense graph | pruned graph / dense graph |")
+    print(
+        f"\nOne layer, ms; shortlist_ratio {shortlist_ratio}\n\n| batch | context | kept tokens | dense, graph | "
+        "dense, eager | eager over the kept tokens | selection, eager | selection, graph | pruned, eager | "
+        "pruned, graph | pruned eager / dense graph | pruned graph / dense graph |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     found = {}
     for batch in (1, 8, 32):
         for context in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
-            if batch * context > 2 ** 21:
+            if batch * context > 2**21:
                 continue
             m = measure(batch, context, w, shortlist_ratio)
-            print(f"| {batch} | {context} | {m['kept']} | {m['dense_graph']:.3f} | {m['dense_eager']:.3f} | "
-                  f"{m['kept_eager']:.3f} | {m['selection']:.3f} | {m['selection_graph']:.3f} | {m['pruned']:.3f} | "
-                  f"{m['pruned_graph']:.3f} | {m['pruned'] / m['dense_graph']:.2f} | "
-                  f"{m['pruned_graph'] / m['dense_graph']:.2f} |", flush=True)
+            print(
+                f"| {batch} | {context} | {m['kept']} | {m['dense_graph']:.3f} | {m['dense_eager']:.3f} | "
+                f"{m['kept_eager']:.3f} | {m['selection']:.3f} | {m['selection_graph']:.3f} | {m['pruned']:.3f} | "
+                f"{m['pruned_graph']:.3f} | {m['pruned'] / m['dense_graph']:.2f} | "
+                f"{m['pruned_graph'] / m['dense_graph']:.2f} |",
+                flush=True,
+            )
             for name in ("pruned", "pruned_graph"):
                 if m[name] < m["dense_graph"]:
                     found.setdefault((batch, name), context)
             torch.cuda.empty_cache()
     for batch in (1, 8, 32):
-        print(f"batch {batch}: faster than the dense graph from {found.get((batch, 'pruned'), 'no measured')} tokens "
-              f"eager, from {found.get((batch, 'pruned_graph'), 'no measured')} tokens from a graph")
+        print(
+            f"batch {batch}: faster than the dense graph from {found.get((batch, 'pruned'), 'no measured')} tokens "
+            f"eager, from {found.get((batch, 'pruned_graph'), 'no measured')} tokens from a graph"
+        )
 
 
 def main() -> None:

@@ -17,5 +17,6 @@ for arg in "$@"; do
 done
 # tests/test_router.py runs smg, tests/test_docs.py builds the docs site, tests/test_gemma_runtime.py serves Gemma
 bash scripts/setup.sh --router --docs --lint --model gemma3-270m
-.venv/bin/ruff check .  # the linter first: seconds, and a lint error fails the tier
+.venv/bin/ruff check .  # the linter and the formatter first: seconds, and either failing fails the tier
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest ${tier[@]+"${tier[@]}"} --durations=15 ${args[@]+"${args[@]}"}

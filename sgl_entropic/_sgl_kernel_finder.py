@@ -14,8 +14,9 @@ class SglKernelFallback(importlib.abc.MetaPathFinder):
             return None
         stand_in = importlib.util.find_spec("sgl_entropic._sgl_kernel_cpu")
         # a package, so that `sgl_kernel.speculative` resolves inside it
-        return importlib.util.spec_from_file_location("sgl_kernel", stand_in.origin,
-                                                      submodule_search_locations=stand_in.submodule_search_locations)
+        return importlib.util.spec_from_file_location(
+            "sgl_kernel", stand_in.origin, submodule_search_locations=stand_in.submodule_search_locations
+        )
 
 
 def install() -> None:

@@ -56,13 +56,12 @@ class SamplingConfig(_Section):
     """
 
     controller: Literal["entropic", "mirostat_v2"] = Field(
-        "entropic", description="entropic: T steered so that H_t tracks H*; mirostat_v2: llama.cpp's Mirostat v2 "
-        "(tokens above a surprise bound mu cut, mu steered to tau)"
+        "entropic",
+        description="entropic: T steered so that H_t tracks H*; mirostat_v2: llama.cpp's Mirostat v2 "
+        "(tokens above a surprise bound mu cut, mu steered to tau)",
     )
     target_entropy: float = Field(2.0, ge=0.0, le=20.0, description="H* in nats")
-    eta: Optional[float] = Field(
-        None, gt=0.0, le=10.0, description="gain; default 0.2 (entropic) or 0.1 (mirostat_v2)"
-    )
+    eta: Optional[float] = Field(None, gt=0.0, le=10.0, description="gain; default 0.2 (entropic) or 0.1 (mirostat_v2)")
     t_init: Optional[float] = Field(
         None, gt=0.0, le=100.0, description="start temperature; default: the request's temperature"
     )
@@ -102,26 +101,36 @@ class SchedulingConfig(_Section):
     """
 
     order: Optional[Literal["entropic", "sglang"]] = Field(
-        None, description="who orders the waiting queue and the decode retraction: entropic (pi with "
+        None,
+        description="who orders the waiting queue and the decode retraction: entropic (pi with "
         "aging, SGLang's request priorities first), or sglang (its --schedule-policy / --retraction-policy); "
         "None: entropic in mode scheduling, sglang in mode full (there the entropic order did not beat "
-        "SGLang's policies, docs/scheduling.md)")
+        "SGLang's policies, docs/scheduling.md)",
+    )
     alpha: float = Field(1.0, ge=0.0, le=1e6, description="weight of the remaining work C")
     beta: float = Field(1.0, ge=0.0, le=1e6, description="weight of KV pages held")
     gamma: float = Field(1.0, ge=0.0, le=1e6, description="weight of the latency slack")
     gain_ema: float = Field(0.8, ge=0.0, lt=1.0, description="EMA decay of observed entropy drops")
     max_gain: float = Field(
-        1.0, gt=0.0, le=100.0, description="nats: every request starts at this E[dH] and is never credited more")
+        1.0, gt=0.0, le=100.0, description="nats: every request starts at this E[dH] and is never credited more"
+    )
     # 14: on a 2-core x86 CPU (fp32, SmolLM2-135M) a prefill token took 2.75 ms and a decode step of
     # 4 requests 148 ms, 37 ms per decode token (docs/scheduling.md); set it for other hardware.
     decode_weight: float = Field(
-        14.0, gt=0.0, le=1e6, description="work units of one decode token (one prefill token is 1)")
+        14.0, gt=0.0, le=1e6, description="work units of one decode token (one prefill token is 1)"
+    )
     expected_output_tokens: int = Field(
-        256, ge=1, le=10_000_000, description="output expected of a request that may stop at EOS (capped by "
-        "its max_new_tokens)")
+        256,
+        ge=1,
+        le=10_000_000,
+        description="output expected of a request that may stop at EOS (capped by its max_new_tokens)",
+    )
     max_wait: float = Field(
-        8_000.0, gt=0.0, le=1e12, description="work units served after a request's arrival that make it "
-        "overdue (then FIFO ahead of all others)")
+        8_000.0,
+        gt=0.0,
+        le=1e12,
+        description="work units served after a request's arrival that make it overdue (then FIFO ahead of all others)",
+    )
     decode_budget: Optional[int] = Field(None, ge=1, le=100_000, description="max requests decoded per step")
     max_skip_steps: int = Field(4, ge=1, le=10_000, description="a running request decodes at least every N steps")
 
@@ -136,32 +145,48 @@ class PruningConfig(_Section):
     """Meso loop: decode attends the sink and recent pages plus `keep` selected pages (sgl_entropic.pruning)."""
 
     selector: Literal["quest", "surprisal"] = Field(
-        "quest", description="how candidate pages are scored: the query-aware key bound (then, with a shortlist, "
-        "exact scores), or the tokens' surprisal (the paper's method, the same pages on every layer)")
+        "quest",
+        description="how candidate pages are scored: the query-aware key bound (then, with a shortlist, "
+        "exact scores), or the tokens' surprisal (the paper's method, the same pages on every layer)",
+    )
     page_size: int = Field(16, ge=1, le=1024, description="tokens per page; the server's KV --page-size")
     sink_blocks: int = Field(1, ge=0, le=1024, description="first pages, always attended")
     recent_blocks: int = Field(2, ge=1, le=1024, description="last pages, always attended")
     min_keep_ratio: float = Field(0.3, gt=0.0, le=1.0, description="share of candidate pages kept at H = 0")
     max_keep_ratio: float = Field(0.3, gt=0.0, le=1.0, description="share kept at H >= reference_entropy")
     shortlist_ratio: Optional[float] = Field(
-        0.5, gt=0.0, le=1.0, description="share of candidates the bound shortlists for exact rescoring on their "
-        "keys (>= max_keep_ratio); None: the bound picks the kept pages itself")
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="share of candidates the bound shortlists for exact rescoring on their "
+        "keys (>= max_keep_ratio); None: the bound picks the kept pages itself",
+    )
     per_head: bool = Field(False, description="one page list per KV head instead of one per request")
     entropy_floor: float = Field(0.0, ge=0.0, le=20.0, description="below this H (nats) the budget stops shrinking")
     min_context: Optional[int] = Field(
-        None, ge=0, le=10_000_000,
+        None,
+        ge=0,
+        le=10_000_000,
         description="shorter contexts attend everything; None: where pruning pays (CPU: timed once per machine "
-                    "and kept; CUDA: a rule measured on an H200)")
+        "and kept; CUDA: a rule measured on an H200)",
+    )
     dense_kernel_from: Optional[int] = Field(
-        None, ge=0, le=10_000_000,
+        None,
+        ge=0,
+        le=10_000_000,
         description="CPU: steps that do not prune run our kernel over every page from this context; None: timed "
-                    "once per machine and kept")
+        "once per machine and kept",
+    )
     dense_layers: int = Field(0, ge=0, le=1024, description="the first layers attend everything")
     engaged: bool = Field(
-        True, description="set by the launcher and the Engine: false in mode full on CUDA where the crossover rule "
+        True,
+        description="set by the launcher and the Engine: false in mode full on CUDA where the crossover rule "
         "never prunes (the two stages with min_context unset), and then SGLang's attention backend, prefill CUDA "
-        "graphs and KV pool stay as stock has them; not a setting of its own")
-    aggregate: Literal["max", "mean", "sum"] = Field("max", description="surprisal selector: page score from its tokens")
+        "graphs and KV pool stay as stock has them; not a setting of its own",
+    )
+    aggregate: Literal["max", "mean", "sum"] = Field(
+        "max", description="surprisal selector: page score from its tokens"
+    )
     reference_entropy: Optional[float] = Field(
         None, gt=0.0, le=20.0, description="H_ref (nats) where the keep ratio reaches max; None: ln(V) / 2 of the model"
     )
@@ -173,8 +198,10 @@ class PruningConfig(_Section):
                 f"min_keep_ratio ({self.min_keep_ratio}) must be <= max_keep_ratio ({self.max_keep_ratio})"
             )
         if self.shortlist_ratio is not None and self.shortlist_ratio < self.max_keep_ratio:
-            raise ValueError(f"shortlist_ratio ({self.shortlist_ratio}) must be >= max_keep_ratio "
-                             f"({self.max_keep_ratio}): the kept pages come out of the shortlist")
+            raise ValueError(
+                f"shortlist_ratio ({self.shortlist_ratio}) must be >= max_keep_ratio "
+                f"({self.max_keep_ratio}): the kept pages come out of the shortlist"
+            )
         return self
 
 
@@ -186,33 +213,46 @@ class SpeculativeConfig(_Section):
     """
 
     algorithm: Optional[Literal["NGRAM"]] = Field(
-        None, description="set by the launcher and the Engine from SGLang's --speculative-algorithm (None: no "
-        "speculation); not a setting of its own")
+        None,
+        description="set by the launcher and the Engine from SGLang's --speculative-algorithm (None: no "
+        "speculation); not a setting of its own",
+    )
     source: Optional[str] = Field(
-        None, description="set by the launcher and the Engine: why speculation is on or off (/server_info); not a "
-        "setting of its own")
+        None,
+        description="set by the launcher and the Engine: why speculation is on or off (/server_info); not a "
+        "setting of its own",
+    )
     # The default follows the measurement (docs/speculative.md): with shadow trials the entropy rule led at batch 1.
     draft: Optional[Literal["off", "fixed", "matched", "acceptance", "entropy"]] = Field(
-        None, description="verify width per step: fixed (SGLang's maximum), matched (what the trie offers), "
+        None,
+        description="verify width per step: fixed (SGLang's maximum), matched (what the trie offers), "
         "acceptance (SGLang's adaptive EMA rule), entropy (expected tokens per second from exp(-H), the "
         "request's own draft hit rate and this machine's step costs); off: no speculation (mode full turns "
         "NGRAM on by default); unset: entropy, or acceptance with --tp-size > 1 (the cost table is timed on each "
-        "rank)")
+        "rank)",
+    )
     drafts: Literal["request", "server"] = Field(
-        "request", description="where drafts come from: request (each request's own n-gram trie over its prompt and "
+        "request",
+        description="where drafts come from: request (each request's own n-gram trie over its prompt and "
         "output: its output never depends on what the server served before), server (SGLang's trie shared by every "
-        "request's recent tokens)")
+        "request's recent tokens)",
+    )
 
 
 class RequestSpeculation(_Section):
     """`custom_params.entropic.speculative`: one request's speculative decoding, within the server's."""
 
     draft: Optional[Literal["off", "fixed", "matched", "entropy"]] = Field(
-        None, description="this request's draft rule: off (it verifies no drafts; alone it runs plain decode steps), "
-        "fixed, matched or entropy (speculative.draft); unset: the server's")
+        None,
+        description="this request's draft rule: off (it verifies no drafts; alone it runs plain decode steps), "
+        "fixed, matched or entropy (speculative.draft); unset: the server's",
+    )
     max_draft_tokens: Optional[int] = Field(
-        None, ge=0, description="at most this many of its drafts verified a step (up to "
-        "--speculative-num-draft-tokens - 1); 0 is draft 'off'")
+        None,
+        ge=0,
+        description="at most this many of its drafts verified a step (up to "
+        "--speculative-num-draft-tokens - 1); 0 is draft 'off'",
+    )
 
 
 class EntropicConfig(_Section):
@@ -249,9 +289,12 @@ class EntropicConfig(_Section):
         order = self.scheduling.order or ("entropic" if self.mode == "scheduling" else "sglang")
         return self.scheduling_on and order == "entropic"
 
-    def with_queue_policies(self, schedule_policy: Optional[str], retraction_policy: Optional[str],
-                            spell=lambda name, value: f"--{name.replace('_', '-')} {value}"
-                            ) -> tuple[Optional[str], "EntropicConfig"]:
+    def with_queue_policies(
+        self,
+        schedule_policy: Optional[str],
+        retraction_policy: Optional[str],
+        spell=lambda name, value: f"--{name.replace('_', '-')} {value}",
+    ) -> tuple[Optional[str], "EntropicConfig"]:
         """Who orders the queues, the user's choices first: (the schedule policy SGLang gets, the config).
 
         `entropic` (ours; SGLang's choices are fixed) is the macro loop's order over SGLang's fcfs, in
@@ -272,11 +315,15 @@ class EntropicConfig(_Section):
             if order == "sglang":
                 raise ValueError(f"{asked} contradicts scheduling.order 'sglang'")
             if retraction_policy is not None:
-                raise ValueError(f"{asked} orders the retraction too; drop "
-                                 f"{spell('retraction_policy', retraction_policy)}")
+                raise ValueError(
+                    f"{asked} orders the retraction too; drop {spell('retraction_policy', retraction_policy)}"
+                )
             return "fcfs", ordered("entropic")
-        named = [spell(name, value) for name, value in (("schedule_policy", schedule_policy),
-                                                        ("retraction_policy", retraction_policy)) if value is not None]
+        named = [
+            spell(name, value)
+            for name, value in (("schedule_policy", schedule_policy), ("retraction_policy", retraction_policy))
+            if value is not None
+        ]
         if not self.scheduling_on or not named:
             return schedule_policy, self
         if order == "entropic":
@@ -343,7 +390,9 @@ def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingC
         raise ValueError(f"custom_params.entropic must be a JSON object, got {type(overrides).__name__}")
     server_only = sorted(SERVER_ONLY.intersection(overrides))
     if server_only:
-        raise ValueError(f"custom_params.entropic.{server_only[0]}: a server setting (--entropic-config), not per request")
+        raise ValueError(
+            f"custom_params.entropic.{server_only[0]}: a server setting (--entropic-config), not per request"
+        )
     for key, value in overrides.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"custom_params.entropic.{key}: must be a finite number")
@@ -353,8 +402,9 @@ def request_sampling_config(server: SamplingConfig, overrides: Any) -> SamplingC
         raise ValueError(format_error(err, prefix="custom_params.entropic")) from None
 
 
-def request_speculation(value: Any, max_drafts: Optional[int], entropy_rule: bool,
-                        prefix: str = "custom_params.entropic.speculative") -> RequestSpeculation:
+def request_speculation(
+    value: Any, max_drafts: Optional[int], entropy_rule: bool, prefix: str = "custom_params.entropic.speculative"
+) -> RequestSpeculation:
     """A request's `speculative` object checked against the server: `max_drafts` its most drafts a step (None:
     speculation is off there), `entropy_rule` whether its rule is entropy (it
     then has the cost table). ValueError naming the
@@ -368,9 +418,12 @@ def request_speculation(value: Any, max_drafts: Optional[int], entropy_rule: boo
     if spec.draft not in (None, "off") and max_drafts is None:
         raise ValueError(f"{prefix}.draft: speculative decoding is off on this server ('off' is the only rule)")
     if spec.draft == "entropy" and not entropy_rule:
-        raise ValueError(f"{prefix}.draft: 'entropy' needs the server's cost table, timed where the server's rule is "
-                         "entropy (its default with --tp-size 1)")
+        raise ValueError(
+            f"{prefix}.draft: 'entropy' needs the server's cost table, timed where the server's rule is "
+            "entropy (its default with --tp-size 1)"
+        )
     if spec.max_draft_tokens is not None and max_drafts is not None and spec.max_draft_tokens > max_drafts:
-        raise ValueError(f"{prefix}.max_draft_tokens: at most {max_drafts} on this server "
-                         "(--speculative-num-draft-tokens - 1)")
+        raise ValueError(
+            f"{prefix}.max_draft_tokens: at most {max_drafts} on this server (--speculative-num-draft-tokens - 1)"
+        )
     return spec

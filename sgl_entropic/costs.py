@@ -39,9 +39,7 @@ class ModelDims:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
         head_dim = getattr(cfg, "head_dim", None) or hidden // q_heads
         per_layer = (
-            2 * hidden * q_heads * head_dim
-            + 2 * hidden * kv_heads * head_dim
-            + 3 * hidden * cfg.intermediate_size
+            2 * hidden * q_heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * cfg.intermediate_size
         )
         lm_head = hidden * cfg.vocab_size
         sliding = sum(t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or ())
@@ -73,8 +71,9 @@ def attention_cost(dims: ModelDims, attended_tokens: float, context: float | Non
     context; a sliding-window layer reads min(window, context) tokens (context: default attended_tokens).
     """
     context = attended_tokens if context is None else context
-    tokens = ((dims.num_layers - dims.sliding_layers) * attended_tokens
-              + dims.sliding_layers * min(dims.sliding_window, context))  # summed over layers
+    tokens = (dims.num_layers - dims.sliding_layers) * attended_tokens + dims.sliding_layers * min(
+        dims.sliding_window, context
+    )  # summed over layers
     flops = 4.0 * dims.num_q_heads * dims.head_dim * tokens
     kv_bytes = 2.0 * dims.num_kv_heads * dims.head_dim * dims.kv_bytes_per_element * tokens
     return AttentionCost(flops, kv_bytes)

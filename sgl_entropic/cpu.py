@@ -56,10 +56,11 @@ def threads_bind(cpus: list[int], ranks: int) -> str:
     """SGLANG_CPU_OMP_THREADS_BIND for `ranks` schedulers: the CPUs split into contiguous equal groups."""
     cpus = sorted(cpus)
     if ranks > len(cpus):
-        raise ValueError(f"{ranks} ranks (dp_size * tp_size * pp_size) need at least {ranks} CPUs; "
-                         f"this process may use {len(cpus)}")
+        raise ValueError(
+            f"{ranks} ranks (dp_size * tp_size * pp_size) need at least {ranks} CPUs; this process may use {len(cpus)}"
+        )
     per = len(cpus) // ranks
-    groups = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    groups = [cpus[r * per : (r + 1) * per] for r in range(ranks)]
     return "|".join(_cpu_list(g) for g in groups)
 
 

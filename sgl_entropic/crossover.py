@@ -77,7 +77,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 3) -> list[Timing]:
+def measure(
+    step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 3
+) -> list[Timing]:
     """Time the step `step(context, sparse)` builds, dense and sparse, at each context: the fastest
     of `repeats` calls each after one untimed warm-up, alternating dense and sparse so that a burst
     of load on a shared machine slows both rather than one."""

@@ -33,8 +33,10 @@ class Engine(SGLangEngine):
         config, updates = speculative_args(config, kwargs, kwargs.get("device", "cuda"), spell_kwarg)
         kwargs = {**kwargs, **updates}
         if any(c != config for c in Engine._live.values()):
-            raise ValueError("sgl_entropic.Engine: another engine with a different entropic config is alive in "
-                             "this process (the HTTP-side hooks hold one config per process); shut it down first")
+            raise ValueError(
+                "sgl_entropic.Engine: another engine with a different entropic config is alive in "
+                "this process (the HTTP-side hooks hold one config per process); shut it down first"
+            )
         from sgl_entropic.cpu import apply_cpu_environment
 
         apply_cpu_environment(kwargs.get("device", "cuda"))
@@ -58,8 +60,9 @@ class Engine(SGLangEngine):
 def _queue_policies(config: EntropicConfig, kwargs: dict[str, Any]) -> tuple[EntropicConfig, dict[str, Any]]:
     """The launcher's rule for who orders the queues (EntropicConfig.with_queue_policies), spelled as
     sgl.Engine's parameters: schedule_policy="entropic" runs the macro loop's order over fcfs."""
-    policy, config = config.with_queue_policies(kwargs.get("schedule_policy"), kwargs.get("retraction_policy"),
-                                                spell=lambda name, value: f"{name}={value!r}")
+    policy, config = config.with_queue_policies(
+        kwargs.get("schedule_policy"), kwargs.get("retraction_policy"), spell=lambda name, value: f"{name}={value!r}"
+    )
     return config, kwargs if policy is None else {**kwargs, "schedule_policy": policy}
 
 

@@ -18,8 +18,14 @@ from typing import Optional
 from pydantic import ValidationError
 
 from sgl_entropic.config import CONFIG_ENV, MODE_ALIASES, MODES, EntropicConfig, format_error, parse_config_arg
-from sgl_entropic.server_args import (PRUNING_FIELDS, SPECULATIVE_FIELDS, flag, pruning_args,
-                                      speculative_args, spell_flag)
+from sgl_entropic.server_args import (
+    PRUNING_FIELDS,
+    SPECULATIVE_FIELDS,
+    flag,
+    pruning_args,
+    speculative_args,
+    spell_flag,
+)
 
 # Applied only when the user did not pass the flag themselves.
 BUNDLED_MODEL_DEFAULTS = {
@@ -35,9 +41,15 @@ def _parser() -> argparse.ArgumentParser:
         description="SGLang server with entropic-time decoding. All sglang.launch_server flags are accepted.",
         add_help=False,  # --help falls through to SGLang's parser after ours is shown
     )
-    parser.add_argument("--entropic", choices=(*MODES, *MODE_ALIASES), default=None,
-                        help="which control loops run (default: full; signal: none, the signal only; off: signal)")
-    parser.add_argument("--entropic-config", default=None, metavar="JSON_OR_PATH", help="EntropicConfig as JSON or a JSON file")
+    parser.add_argument(
+        "--entropic",
+        choices=(*MODES, *MODE_ALIASES),
+        default=None,
+        help="which control loops run (default: full; signal: none, the signal only; off: signal)",
+    )
+    parser.add_argument(
+        "--entropic-config", default=None, metavar="JSON_OR_PATH", help="EntropicConfig as JSON or a JSON file"
+    )
     return parser
 
 
@@ -65,8 +77,10 @@ def check_sglang_version(parser: argparse.ArgumentParser) -> None:
     from sgl_entropic.plugin import ALLOW_UNSUPPORTED_ENV, SUPPORTED_SGLANG, hooks, sglang_supported
 
     if not sglang_supported() and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
-        parser.error(f"sgl-entropic supports sglang {SUPPORTED_SGLANG}, found {hooks.installed_sglang_version()}; "
-                     f"install sglang=={SUPPORTED_SGLANG}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway")
+        parser.error(
+            f"sgl-entropic supports sglang {SUPPORTED_SGLANG}, found {hooks.installed_sglang_version()}; "
+            f"install sglang=={SUPPORTED_SGLANG}, or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway"
+        )
 
 
 def map_schedule_policy(
@@ -122,12 +136,14 @@ def _given(rest: list[str], names) -> dict:
 
 
 def _as_flags(updates: dict) -> list[str]:
-    return [a for name, value in updates.items()
-            for a in ((flag(name),) if value is True else (flag(name), str(value)))]
+    return [
+        a for name, value in updates.items() for a in ((flag(name),) if value is True else (flag(name), str(value)))
+    ]
 
 
-def map_pruning_flags(rest: list[str], config: EntropicConfig,
-                      parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
+def map_pruning_flags(
+    rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser
+) -> tuple[list[str], EntropicConfig]:
     """The flags pruning sets or refuses (server_args.pruning_args); a refusal exits with code 2. Decode CUDA
     graphs stay on (dense steps replay them, pruned ones run eager); prefill graphs go on CUDA (docs/gpu.md)."""
     try:
@@ -135,13 +151,17 @@ def map_pruning_flags(rest: list[str], config: EntropicConfig,
     except ValueError as err:
         parser.error(str(err))
     if not config.pruning.engaged:  # pruning_args: mode full on CUDA, where the crossover rule never prunes
-        print("sgl-entropic: pruning does not engage on CUDA with the two-stage selection (docs/gpu.md); SGLang's "
-              "attention backend, prefill CUDA graphs and KV pool stay as stock has them", file=sys.stderr)
+        print(
+            "sgl-entropic: pruning does not engage on CUDA with the two-stage selection (docs/gpu.md); SGLang's "
+            "attention backend, prefill CUDA graphs and KV pool stay as stock has them",
+            file=sys.stderr,
+        )
     return rest + _as_flags(updates), config
 
 
-def map_speculative_flags(rest: list[str], config: EntropicConfig,
-                          parser: argparse.ArgumentParser) -> tuple[list[str], EntropicConfig]:
+def map_speculative_flags(
+    rest: list[str], config: EntropicConfig, parser: argparse.ArgumentParser
+) -> tuple[list[str], EntropicConfig]:
     """SGLang's speculative flags under the plugin (server_args.speculative_args); a refusal exits with code 2."""
     try:
         config, updates = speculative_args(config, _given(rest, SPECULATIVE_FIELDS), _device(rest), spell_flag)

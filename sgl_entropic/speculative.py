@@ -156,8 +156,13 @@ class StepCosts:
     def table(self) -> dict:
         """`/server_info`: the table, in milliseconds."""
         ms = lambda xs: [round(x * 1e3, 4) for x in xs]  # noqa: E731
-        return {"tokens": list(self.tokens), "gemm_ms": ms(self.gemm), "contexts": list(self.contexts),
-                "attention_widths": list(self.widths), "attention_ms": [ms(v) for v in self.attention]}
+        return {
+            "tokens": list(self.tokens),
+            "gemm_ms": ms(self.gemm),
+            "contexts": list(self.contexts),
+            "attention_widths": list(self.widths),
+            "attention_ms": [ms(v) for v in self.attention],
+        }
 
 
 @dataclass
@@ -181,8 +186,13 @@ class DraftHits:
         return (self.hits + 1.0) / (self.trials + 1.0)
 
 
-def draft_trials(drafted: Sequence[int], accepted: Sequence[int], offers: Sequence[int],
-                 first_draft: Sequence[int], root_sample: Sequence[int]) -> tuple[list[int], list[int]]:
+def draft_trials(
+    drafted: Sequence[int],
+    accepted: Sequence[int],
+    offers: Sequence[int],
+    first_draft: Sequence[int],
+    root_sample: Sequence[int],
+) -> tuple[list[int], list[int]]:
     """Each row's (tried, right) for its draft record: the drafts it verified, or, for a row whose trie offered
     drafts but that verified none, its first draft checked against the token the root sampled. Verification
     accepts a draft iff it is the node's sample, so that shadow trial is exactly what a one-draft step would
@@ -200,8 +210,14 @@ def draft_acceptance(entropy: Optional[float], hits: DraftHits) -> float:
     return min(sure, hits.rate())
 
 
-def entropy_width(offers: Sequence[int], acceptance: Sequence[float], costs: StepCosts, contexts: Sequence[int],
-                  plain: bool = True, margin: float = PLAIN_MARGIN) -> int:
+def entropy_width(
+    offers: Sequence[int],
+    acceptance: Sequence[float],
+    costs: StepCosts,
+    contexts: Sequence[int],
+    plain: bool = True,
+    margin: float = PLAIN_MARGIN,
+) -> int:
     """The `entropy` rule's width: argmax over W of sum_r E_r(W) / T(W) (ties: the narrower), with
     E_r(W) = 1 + a_r + ... + a_r^min(W - 1, offer_r), a_r a row's `acceptance` (`draft_acceptance`) and T the
     step's price in `costs` for rows at `contexts`. Width 1 is the plain decode step where `plain`, which a wider
@@ -232,8 +248,15 @@ class DraftSizer:
     costs: StepCosts = field(default_factory=StepCosts)
     accepted_ema: Optional[float] = None  # acceptance rule: accepted drafts per row and step
 
-    def width(self, offers: Sequence[int], acceptance: Sequence[float], contexts: Sequence[int],
-              plain: bool = True, rules: Optional[Sequence[str]] = None, caps: Optional[Sequence[int]] = None) -> int:
+    def width(
+        self,
+        offers: Sequence[int],
+        acceptance: Sequence[float],
+        contexts: Sequence[int],
+        plain: bool = True,
+        rules: Optional[Sequence[str]] = None,
+        caps: Optional[Sequence[int]] = None,
+    ) -> int:
         """Nodes per row this step, in [1, max_width]; `offers` the drafts each row's match offers (within its
         cap), `acceptance` each row's expected chance per draft (the entropy rule's a_r), `contexts` the rows'
         lengths, `plain` whether width 1 runs the plain decode step. Where requests chose their own rule
@@ -245,12 +268,27 @@ class DraftSizer:
         wants = [1]
         for rule in set(rules) - {"off"}:
             mine = [r == rule for r in rules]
-            wants.append(self._width(rule, [k if m else 0 for k, m in zip(offers, mine)], acceptance, contexts, plain,
-                                     None if caps is None else [c if m else 0 for c, m in zip(caps, mine)]))
+            wants.append(
+                self._width(
+                    rule,
+                    [k if m else 0 for k, m in zip(offers, mine)],
+                    acceptance,
+                    contexts,
+                    plain,
+                    None if caps is None else [c if m else 0 for c, m in zip(caps, mine)],
+                )
+            )
         return max(wants)
 
-    def _width(self, rule: str, offers: Sequence[int], acceptance: Sequence[float], contexts: Sequence[int],
-               plain: bool, caps: Optional[Sequence[int]]) -> int:
+    def _width(
+        self,
+        rule: str,
+        offers: Sequence[int],
+        acceptance: Sequence[float],
+        contexts: Sequence[int],
+        plain: bool,
+        caps: Optional[Sequence[int]],
+    ) -> int:
         most = 1 + max(offers, default=0)
         if rule == "fixed":
             return self.max_width if caps is None else min(self.max_width, 1 + max(caps, default=0))
@@ -292,8 +330,16 @@ def tree_temperatures(logits: Tensor, parent: Tensor, batch: ControllerBatch) ->
     for v in range(width):
         p = parent[:, v]
         incoming = torch.where(p >= 0, temps.gather(1, p.clamp_min(0)[:, None]).squeeze(1), batch.temperature)
-        node = ControllerBatch(incoming, batch.target, batch.eta, batch.t_min, batch.t_max, batch.floor,
-                               batch.warmup, batch.steps_done + depth[:, v].float())
+        node = ControllerBatch(
+            incoming,
+            batch.target,
+            batch.eta,
+            batch.t_min,
+            batch.t_max,
+            batch.floor,
+            batch.warmup,
+            batch.steps_done + depth[:, v].float(),
+        )
         temps[:, v] = node.update(entropy(logits[:, v], incoming))
     return temps
 
@@ -310,16 +356,25 @@ def from_drafts(drafted: Sequence[Optional[int]], accepted: Sequence[Optional[in
     return out
 
 
-def request_summary(offered: Sequence[Optional[int]], drafted: Sequence[Optional[int]],
-                    accepted: Sequence[Optional[int]], source: Sequence[Optional[str]]) -> dict:
+def request_summary(
+    offered: Sequence[Optional[int]],
+    drafted: Sequence[Optional[int]],
+    accepted: Sequence[Optional[int]],
+    source: Sequence[Optional[str]],
+) -> dict:
     """One request's speculation, from its per-token traces: decode steps, the steps that verified drafts of its own,
     drafts its trie (or a corpus) offered, verified and accepted."""
     steps = [i for i, d in enumerate(drafted) if d is not None]
     verify = [i for i in steps if drafted[i] > 0]
     accepted_total = sum(accepted[i] for i in steps)
     corpus = [i for i in verify if source[i] == "corpus"]
-    return {"decode_steps": len(steps), "verify_steps": len(verify),
-            "drafts_offered": sum(offered[i] or 0 for i in steps),
-            "drafts_verified": sum(drafted[i] for i in steps), "drafts_accepted": accepted_total,
-            "accepted_per_verify": accepted_total / len(verify) if verify else None,
-            "corpus_verify_steps": len(corpus), "corpus_drafts_accepted": sum(accepted[i] for i in corpus)}
+    return {
+        "decode_steps": len(steps),
+        "verify_steps": len(verify),
+        "drafts_offered": sum(offered[i] or 0 for i in steps),
+        "drafts_verified": sum(drafted[i] for i in steps),
+        "drafts_accepted": accepted_total,
+        "accepted_per_verify": accepted_total / len(verify) if verify else None,
+        "corpus_verify_steps": len(corpus),
+        "corpus_drafts_accepted": sum(accepted[i] for i in corpus),
+    }

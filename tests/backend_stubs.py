@@ -20,8 +20,7 @@ from sgl_entropic.signal import EntropyTrace
 
 HEADS_Q, HEADS_KV, DIM, LAYERS, P = 6, 2, 16, 3, 16
 POOL_PAGES, REQ_SLOTS, MAX_CONTEXT = 512, 8, 2048
-CFG = PruningConfig(min_context=64, page_size=P, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.3,
-                    max_keep_ratio=0.3)
+CFG = PruningConfig(min_context=64, page_size=P, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.3, max_keep_ratio=0.3)
 
 
 class KVPool:
@@ -38,22 +37,36 @@ class KVPool:
 
 
 def stub_layer(layer_id, window=-1):
-    return SimpleNamespace(layer_id=layer_id, tp_q_head_num=HEADS_Q, tp_k_head_num=HEADS_KV, qk_head_dim=DIM,
-                           v_head_dim=DIM, scaling=1 / math.sqrt(DIM), is_cross_attention=False,
-                           sliding_window_size=window)
+    return SimpleNamespace(
+        layer_id=layer_id,
+        tp_q_head_num=HEADS_Q,
+        tp_k_head_num=HEADS_KV,
+        qk_head_dim=DIM,
+        v_head_dim=DIM,
+        scaling=1 / math.sqrt(DIM),
+        is_cross_attention=False,
+        sliding_window_size=window,
+    )
 
 
 def stub_runner(gen=None, tp_size=1, sliding=()):
     """`sliding`: layer ids with a sliding window (the others attend the whole context)."""
     pool = KVPool(gen or torch.Generator().manual_seed(0))
     pool.size = POOL_PAGES * P
-    model = torch.nn.ModuleList(RadixAttention(HEADS_Q, DIM, 1 / math.sqrt(DIM), HEADS_KV, i,
-                                               sliding_window_size=8 if i in sliding else -1) for i in range(LAYERS))
+    model = torch.nn.ModuleList(
+        RadixAttention(HEADS_Q, DIM, 1 / math.sqrt(DIM), HEADS_KV, i, sliding_window_size=8 if i in sliding else -1)
+        for i in range(LAYERS)
+    )
     return SimpleNamespace(
-        device="cpu", page_size=P, model=model, server_args=SimpleNamespace(tp_size=tp_size), token_to_kv_pool=pool,
+        device="cpu",
+        page_size=P,
+        model=model,
+        server_args=SimpleNamespace(tp_size=tp_size),
+        token_to_kv_pool=pool,
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQ_SLOTS, MAX_CONTEXT, dtype=torch.int32)),
-        model_config=SimpleNamespace(vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q * tp_size,
-                                     context_len=MAX_CONTEXT),
+        model_config=SimpleNamespace(
+            vocab_size=49152, num_hidden_layers=LAYERS, num_attention_heads=HEADS_Q * tp_size, context_len=MAX_CONTEXT
+        ),
     )
 
 
@@ -77,14 +90,22 @@ def setup(cfg, context_lens, entropies=None, seed=0, tp_size=1, sliding=()):
             backend.planner.store.write_keys(layer, locs[half:], runner.token_to_kv_pool.k[layer][locs[half:]])
     lens = torch.tensor(context_lens)
     idx = torch.tensor(req_slots)
-    states = [SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i)
-              for i, h in enumerate(entropies or [1.0] * len(context_lens))]
+    states = [
+        SimpleNamespace(trace=EntropyTrace(last_entropy=h), arrival_seq=i)
+        for i, h in enumerate(entropies or [1.0] * len(context_lens))
+    ]
     batch = SimpleNamespace(
-        forward_mode=ForwardMode.DECODE, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens,
-        out_cache_loc=table[idx, lens - 1].long(), encoder_lens=None, spec_info=None,
+        forward_mode=ForwardMode.DECODE,
+        req_pool_indices=idx,
+        seq_lens=lens,
+        seq_lens_cpu=lens,
+        out_cache_loc=table[idx, lens - 1].long(),
+        encoder_lens=None,
+        spec_info=None,
     )
     # the rows of the batch being run, as the ForwardBatch.init_new hook leaves them
     batch.rows = runtime.install(EntropicConfig()).rows = BatchRows.of(
-        [SimpleNamespace(entropic=s) for s in states], [True] * len(states))
+        [SimpleNamespace(entropic=s) for s in states], [True] * len(states)
+    )
     q = torch.randn(len(context_lens), HEADS_Q * DIM, generator=gen)
     return runner, backend, batch, q, states

@@ -41,14 +41,24 @@ class Server:
 # The pool's size is fixed, so SGLang's free-memory profile is only a check, and a racy one: servers that load at
 # once see each other's weights as used, and under a cgroup page cache counts as used too (CI, 7 GB "free": three
 # Gemma servers failed it at the default fraction, 0.843). A 0.95 fraction keeps 5 % of the free memory as slack.
-COMMON_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "256", "--sleep-on-idle", "--max-total-tokens", "32768",
-               "--mem-fraction-static", "0.95"]
+COMMON_ARGS = [
+    "--dtype",
+    "float32",
+    "--chunked-prefill-size",
+    "256",
+    "--sleep-on-idle",
+    "--max-total-tokens",
+    "32768",
+    "--mem-fraction-static",
+    "0.95",
+]
 
 
 def start_server(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
     port = common.free_port()
-    srv = common.start_server(log.parent.name, [*cmd, "--port", str(port)], port,
-                              dict(os.environ) if env is None else env, timeout_s, log=log)
+    srv = common.start_server(
+        log.parent.name, [*cmd, "--port", str(port)], port, dict(os.environ) if env is None else env, timeout_s, log=log
+    )
     return Server(srv.url, srv.proc, log)
 
 
@@ -80,16 +90,31 @@ NO_SPECULATION = {"draft": "off"}
 
 
 def shared_server_cmd(config: str = json.dumps({"pruning": PRUNING, "speculative": NO_SPECULATION})) -> list[str]:
-    return [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--enable-metrics",
-            "--entropic-config", config, "--constrained-json-disable-any-whitespace", "--schedule-policy",
-            "entropic", *COMMON_ARGS]
+    return [
+        sys.executable,
+        "-m",
+        "sgl_entropic.launch_server",
+        "--entropic",
+        "full",
+        "--enable-metrics",
+        "--entropic-config",
+        config,
+        "--constrained-json-disable-any-whitespace",
+        "--schedule-policy",
+        "entropic",
+        *COMMON_ARGS,
+    ]
 
 
 # Up to 4 nodes a verified tree (3 drafts): wide enough to accept runs, narrow enough for a 2-core machine.
 # Rule `matched`: every draft the trie offers is verified (the entropy rule would turn drafts off for the
 # batches of sampled requests the tests send), so that verification itself is what the tests exercise.
 SPECULATIVE_CMD = shared_server_cmd(json.dumps({"pruning": PRUNING, "speculative": {"draft": "matched"}})) + [
-    "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    "--speculative-algorithm",
+    "NGRAM",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 
 
 @pytest.fixture(scope="session")
@@ -108,8 +133,12 @@ def entropy_spec_server(tmp_path_factory) -> Server:
     width capped at 4 nodes, as the other spec server's), which runs plain steps where it expects drafts to miss.
     Per module: two modules use it, and the tier's memory should not hold it in between."""
     # a SAM budget for the external corpora a test loads (none at start: the default's behaviour)
-    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING})) + ["--speculative-num-draft-tokens", "4",
-                                                                 "--speculative-ngram-external-sam-budget", "3"]
+    cmd = shared_server_cmd(json.dumps({"pruning": PRUNING})) + [
+        "--speculative-num-draft-tokens",
+        "4",
+        "--speculative-ngram-external-sam-budget",
+        "3",
+    ]
     srv = start_server(cmd, tmp_path_factory.mktemp("spec-entropy") / "server.log")
     yield srv
     stop_server(srv.proc)
@@ -121,8 +150,18 @@ def stock_server(tmp_path_factory, model_path) -> Server:
     log = tmp_path_factory.mktemp("stock") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--device", "cpu",
-           "--chat-template", "chatml", *COMMON_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--device",
+        "cpu",
+        "--chat-template",
+        "chatml",
+        *COMMON_ARGS,
+    ]
     srv = start_server(cmd, log, env=env)
     yield srv
     stop_server(srv.proc)

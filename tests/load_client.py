@@ -21,8 +21,15 @@ def F32(x: float) -> float:
 
 
 T_MIN, T_MAX = 0.2, 1.8
-LONG_PROMPT = " ".join(f"Note {i}: the river bends past the old mill, under the stone bridge." for i in range(16))  # ~260 tokens
-JSON_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+LONG_PROMPT = " ".join(
+    f"Note {i}: the river bends past the old mill, under the stone bridge." for i in range(16)
+)  # ~260 tokens
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 
 
 def load_spec(i: int, speculative: bool = False) -> dict:
@@ -40,7 +47,9 @@ def load_spec(i: int, speculative: bool = False) -> dict:
     if greedy:
         params["temperature"] = 0
     elif entropic == "controller":
-        params["custom_params"] = {"entropic": {"target_entropy": 1.0 + (i % 7) / 3, "t_min": T_MIN, "t_max": T_MAX, "t_init": 1.0}}
+        params["custom_params"] = {
+            "entropic": {"target_entropy": 1.0 + (i % 7) / 3, "t_min": T_MIN, "t_max": T_MAX, "t_init": 1.0}
+        }
     elif entropic == "mirostat":
         params["custom_params"] = {"entropic": {"controller": "mirostat_v2", "tau": 2.0 + i % 3}}
     else:
@@ -48,8 +57,13 @@ def load_spec(i: int, speculative: bool = False) -> dict:
     question = f"Question {i}: describe item number {i} in one line."
     text = CHAT.format((LONG_PROMPT + "\n" if i % 10 == 0 else "") + question)
     return {
-        "i": i, "abort": abort, "stream": abort or i % 2 == 0, "entropic": entropic, "greedy": greedy,
-        "json": json_mode, "body": {"text": text, "sampling_params": params, "return_entropy": i % 2 == 1 or entropic != "off"},
+        "i": i,
+        "abort": abort,
+        "stream": abort or i % 2 == 0,
+        "entropic": entropic,
+        "greedy": greedy,
+        "json": json_mode,
+        "body": {"text": text, "sampling_params": params, "return_entropy": i % 2 == 1 or entropic != "off"},
     }
 
 
@@ -70,7 +84,11 @@ def check_output(spec: dict, out: dict) -> str | None:
         return f"finish {reason} after {n} tokens, expected length after {params['max_new_tokens']}"
     if len(out["output_ids"]) != n or not isinstance(out["text"], str):
         return f"{len(out['output_ids'])} output ids for {n} tokens"
-    if not (isinstance(meta.get("entropic_time"), float) and math.isfinite(meta["entropic_time"]) and meta["entropic_time"] >= 0):
+    if not (
+        isinstance(meta.get("entropic_time"), float)
+        and math.isfinite(meta["entropic_time"])
+        and meta["entropic_time"] >= 0
+    ):
         return f"entropic_time {meta.get('entropic_time')!r}"
     if spec["body"]["return_entropy"]:
         temps, hs = meta.get("temperature"), meta.get("entropy")
@@ -96,7 +114,7 @@ async def sse_events(resp):
             continue
         if not line.startswith("data: "):
             raise ValueError(f"not an SSE data line: {line[:200]}")
-        yield None if line == "data: [DONE]" else json.loads(line[len("data: "):])
+        yield None if line == "data: [DONE]" else json.loads(line[len("data: ") :])
 
 
 async def send(session, url: str, spec: dict) -> tuple[str, str]:

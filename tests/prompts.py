@@ -18,4 +18,3 @@ def real_prompts() -> list[str]:
         CHAT.format(f"```python\n{code}```\nRewrite this function with type hints on every line."),
         CHAT.format("What is speculative decoding? Answer in two sentences."),
     ]
-

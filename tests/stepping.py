@@ -26,13 +26,19 @@ class Stepper:
         """A request as SamplingStep sees it, in its own request-pool slot."""
         state = self.rt.new_request_state(controller, mirostat)
         slot, self._next_slot = self._next_slot, self._next_slot + 1
-        return SimpleNamespace(entropic=state, customized_info=None, kv=SimpleNamespace(req_pool_idx=slot),
-                               origin_input_ids=list(prompt_ids))
+        return SimpleNamespace(
+            entropic=state,
+            customized_info=None,
+            kv=SimpleNamespace(req_pool_idx=slot),
+            origin_input_ids=list(prompt_ids),
+        )
 
     def begin(self, reqs, logits, temps, top_ks=None, produces=None) -> SamplingStep:
         n = len(reqs)
-        info = SimpleNamespace(temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
-                               top_ks=torch.tensor(top_ks or [logits.shape[1]] * n))
+        info = SimpleNamespace(
+            temperatures=torch.tensor(temps, dtype=torch.float32).view(-1, 1),
+            top_ks=torch.tensor(top_ks or [logits.shape[1]] * n),
+        )
         rows = BatchRows.of(reqs, produces or [True] * n)
         return SamplingStep(rows, torch.tensor([r.kv.req_pool_idx for r in reqs]), info, logits, self.table)
 
@@ -51,10 +57,24 @@ class HostReads(torch.overrides.TorchFunctionMode):
     tensors (those SGLang already keeps on the host, such as seq_lens_cpu), and the non-blocking
     copies (`transfers`: what a step hands to the host, or the device, without waiting)."""
 
-    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero,
-             torch.nonzero, torch.Tensor.repeat_interleave, torch.repeat_interleave, torch.masked_select,
-             torch.Tensor.masked_select, torch.Tensor.unique, torch.unique}
+    READS = {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.cpu,
+        torch.Tensor.numpy,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+        torch.Tensor.nonzero,
+        torch.nonzero,
+        torch.Tensor.repeat_interleave,
+        torch.repeat_interleave,
+        torch.masked_select,
+        torch.Tensor.masked_select,
+        torch.Tensor.unique,
+        torch.unique,
+    }
 
     def __init__(self, host=()):
         super().__init__()

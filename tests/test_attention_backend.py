@@ -19,8 +19,18 @@ from sgl_entropic.pruning import num_pages, row_pages, sparse_decode_attention
 pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from tests.backend_stubs import (CFG, DIM, HEADS_KV, HEADS_Q, LAYERS, MAX_CONTEXT, P, setup,  # noqa: E402
-                                 stub_layer, stub_runner)
+from tests.backend_stubs import (
+    CFG,
+    DIM,
+    HEADS_KV,
+    HEADS_Q,
+    LAYERS,
+    MAX_CONTEXT,
+    P,
+    setup,  # noqa: E402
+    stub_layer,
+    stub_runner,
+)
 
 
 def _decode(backend, batch, q, layer_id):
@@ -55,8 +65,14 @@ def test_store_min_max_are_the_pages_keys_and_bound_the_true_logits():
             # an upper bound of every query head's logit on the page
             qh = q[r].view(HEADS_Q, DIM)
             logits = torch.einsum("hd,thd->ht", qh, keys.repeat_interleave(HEADS_Q // HEADS_KV, dim=1))
-            bound = torch.maximum(qh.view(HEADS_KV, -1, DIM) * store.kmax[1][phys][:, None],
-                                  qh.view(HEADS_KV, -1, DIM) * store.kmin[1][phys][:, None]).sum(-1).flatten()
+            bound = (
+                torch.maximum(
+                    qh.view(HEADS_KV, -1, DIM) * store.kmax[1][phys][:, None],
+                    qh.view(HEADS_KV, -1, DIM) * store.kmin[1][phys][:, None],
+                )
+                .sum(-1)
+                .flatten()
+            )
             assert (logits.amax(dim=1) <= bound + 1e-5).all()
 
 
@@ -88,7 +104,7 @@ def _expected(q_row, keys, values, counts, cfg, group_heads):
         tokens = torch.tensor([t for j in short for t in range(j * P, (j + 1) * P)])
         mass = {j: 0.0 for j in short}
         for h in group_heads:
-            probs = torch.softmax(qh[h] @ keys[tokens, h].T * (DIM ** -0.5), dim=-1)  # [group, tokens]
+            probs = torch.softmax(qh[h] @ keys[tokens, h].T * (DIM**-0.5), dim=-1)  # [group, tokens]
             for i, j in enumerate(short):
                 mass[j] += float(probs[:, i * P : (i + 1) * P].sum())
         short = sorted(short, key=lambda j: -mass[j])
@@ -110,16 +126,19 @@ def test_sparse_decode_attends_exactly_the_pages_its_selection_names(shortlist, 
         slots = table[r + 1, :n].long()
         keys, values = runner.token_to_kv_pool.k[1][slots], runner.token_to_kv_pool.v[1][slots]
         counts = row_pages(n, 1.0, cfg, backend.planner.reference_entropy)
-        assert counts.prunes and counts.shortlist == (counts.keep if shortlist is None else math.ceil(0.5 * counts.candidates))
-        for group_heads in ([[h] for h in range(HEADS_KV)] if per_head else [list(range(HEADS_KV))]):
+        assert counts.prunes and counts.shortlist == (
+            counts.keep if shortlist is None else math.ceil(0.5 * counts.candidates)
+        )
+        for group_heads in [[h] for h in range(HEADS_KV)] if per_head else [list(range(HEADS_KV))]:
             want, heads = _expected(q[r], keys, values, counts, cfg, group_heads)
             torch.testing.assert_close(out[r, heads], want, rtol=1e-5, atol=1e-5)
     assert batch.rows.attended == pytest.approx([row_pages(n, 1.0, cfg).kept_tokens / n for n in context_lens])
 
 
 def test_without_the_dense_kernel_a_step_that_prunes_nothing_is_stock_torch_native():
-    everything = CFG.model_copy(update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0,
-                                        "min_context": 0})
+    everything = CFG.model_copy(
+        update={"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0, "min_context": 0}
+    )
     runner, backend, batch, q, _ = setup(everything, [700, 300, 1000])
     backend.probe.dense_kernel_from = None
     out = _decode(backend, batch, q, layer_id=2)
@@ -160,9 +179,15 @@ def test_dense_layers_attend_everything():
     runner, backend, batch, q, _ = setup(cfg, [700, 900])
     stock = TorchNativeAttnBackend(runner)
     stock.init_forward_metadata(batch)
-    torch.testing.assert_close(_decode(backend, batch, q, 0), stock.forward_decode(q, None, None, stub_layer(0), batch, False),
-                               rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(_decode(backend, batch, q, 1), stock.forward_decode(q, None, None, stub_layer(1), batch, False))
+    torch.testing.assert_close(
+        _decode(backend, batch, q, 0),
+        stock.forward_decode(q, None, None, stub_layer(0), batch, False),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert not torch.allclose(
+        _decode(backend, batch, q, 1), stock.forward_decode(q, None, None, stub_layer(1), batch, False)
+    )
     assert all(f > 0.3 for f in batch.rows.attended)
 
 
@@ -224,8 +249,9 @@ def test_prompt_scores_are_the_models_next_token_surprisal(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     vocab, hidden = 50, 8
     weight = torch.randn(vocab, hidden, generator=gen)
-    processor = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab),
-                                _get_logits=lambda h, lm_head, meta, use_logits_buffer: h @ weight.T)
+    processor = SimpleNamespace(
+        config=SimpleNamespace(vocab_size=vocab), _get_logits=lambda h, lm_head, meta, use_logits_buffer: h @ weight.T
+    )
     # two requests in one extend batch: 5 and 3 new tokens
     ids = torch.randint(0, vocab, (8,), generator=gen)
     hidden_states = torch.randn(8, hidden, generator=gen)
@@ -281,8 +307,7 @@ def timings_kept_here(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_start_up_timings_are_measured_once_per_machine_and_read_on_every_later_start(timings_kept_here,
-                                                                                      monkeypatch):
+def test_start_up_timings_are_measured_once_per_machine_and_read_on_every_later_start(timings_kept_here, monkeypatch):
     """A restart times nothing and reaches the same decisions (the kernel a step runs never follows the load of
     the moment a server started); another config is another measurement."""
     cfg = CFG.model_copy(update={"min_context": None})
@@ -296,16 +321,19 @@ def test_start_up_timings_are_measured_once_per_machine_and_read_on_every_later_
         m.setattr(attention, "measure", no_timing)
         again = EntropicTorchNativeAttnBackend(stub_runner(), cfg)
     assert (again.probe.timings, again.probe.kernel_timings) == (first.probe.timings, first.probe.kernel_timings)
-    assert (again.probe.dense_kernel_from, again.planner.cfg.min_context) == \
-        (first.probe.dense_kernel_from, first.planner.cfg.min_context)
+    assert (again.probe.dense_kernel_from, again.planner.cfg.min_context) == (
+        first.probe.dense_kernel_from,
+        first.planner.cfg.min_context,
+    )
     with pytest.raises(AssertionError, match="timed again"), monkeypatch.context() as m:
         m.setattr(attention, "measure", no_timing)
         EntropicTorchNativeAttnBackend(stub_runner(), cfg.model_copy(update={"shortlist_ratio": 0.7}))
 
 
 def test_given_both_crossovers_the_backend_times_nothing():
-    backend = EntropicTorchNativeAttnBackend(stub_runner(), CFG.model_copy(update={"min_context": 900,
-                                                                                   "dense_kernel_from": 700}))
+    backend = EntropicTorchNativeAttnBackend(
+        stub_runner(), CFG.model_copy(update={"min_context": 900, "dense_kernel_from": 700})
+    )
     probe = backend.probe
     assert probe.check.ok and probe.timings == probe.kernel_timings == []
     assert (probe.dense_kernel_from, backend.planner.cfg.min_context) == (700, 900)
@@ -318,9 +346,13 @@ def test_without_min_context_the_backend_times_where_its_kernels_pay():
     backend = EntropicTorchNativeAttnBackend(stub_runner(), CFG.model_copy(update={"min_context": None}))
     probe = backend.probe
     assert probe.check.ok
-    assert [t.context for t in probe.timings] == [t.context for t in probe.kernel_timings] == [256, 512, 1024, 1536,
-                                                                                                2048]
-    for timings, chosen in ((probe.kernel_timings, probe.dense_kernel_from), (probe.timings, backend.planner.cfg.min_context)):
+    assert (
+        [t.context for t in probe.timings] == [t.context for t in probe.kernel_timings] == [256, 512, 1024, 1536, 2048]
+    )
+    for timings, chosen in (
+        (probe.kernel_timings, probe.dense_kernel_from),
+        (probe.timings, backend.planner.cfg.min_context),
+    ):
         paying = [t.sparse_s <= 0.9 * t.dense_s for t in timings]
         if not paying[-1]:
             assert chosen in (None, MAX_CONTEXT + 1)  # never pays

@@ -14,8 +14,11 @@ import torch
 from programs.passkey import answered_key, make_cases
 from tests.conftest import start_server, stop_server
 
-pytestmark = [pytest.mark.gpu, pytest.mark.server,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.server,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 GPU_ARGS = ["--dtype", "bfloat16", "--max-total-tokens", "65536", "--sleep-on-idle"]
 
@@ -24,15 +27,42 @@ GPU_ARGS = ["--dtype", "bfloat16", "--max-total-tokens", "65536", "--sleep-on-id
 def gpu_servers(tmp_path_factory, model_path):
     """Stock FlashInfer with its CUDA graphs, ours (default config), ours keeping everything."""
     base = ["--model-path", str(model_path), "--chat-template", "chatml", "--device", "cuda", *GPU_ARGS]
-    keep_all = json.dumps({"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0,
-                                       "min_context": 0}})
+    keep_all = json.dumps(
+        {"pruning": {"min_keep_ratio": 1.0, "max_keep_ratio": 1.0, "shortlist_ratio": 1.0, "min_context": 0}}
+    )
     commands = {
-        "stock": [sys.executable, "-m", "sglang.launch_server", "--attention-backend", "flashinfer",
-                  "--mem-fraction-static", "0.2", *base],
-        "ours": [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "pruning",
-                 "--mem-fraction-static", "0.2", *base],
-        "keep_all": [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "pruning",
-                     "--entropic-config", keep_all, "--mem-fraction-static", "0.2", *base],
+        "stock": [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--attention-backend",
+            "flashinfer",
+            "--mem-fraction-static",
+            "0.2",
+            *base,
+        ],
+        "ours": [
+            sys.executable,
+            "-m",
+            "sgl_entropic.launch_server",
+            "--entropic",
+            "pruning",
+            "--mem-fraction-static",
+            "0.2",
+            *base,
+        ],
+        "keep_all": [
+            sys.executable,
+            "-m",
+            "sgl_entropic.launch_server",
+            "--entropic",
+            "pruning",
+            "--entropic-config",
+            keep_all,
+            "--mem-fraction-static",
+            "0.2",
+            *base,
+        ],
     }
     servers = {}
     try:
@@ -86,6 +116,7 @@ def test_the_pruned_path_equals_exact_attention_over_its_pages(per_head, dtype):
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for heads in ((32, 8, 128), (9, 3, 64)):
         sparse = FlashInferSparse(workspace, heads, (dtype, dtype), 16, per_head)
-        check = run_self_check(sparse.attend, *heads, dtype, PruningConfig(per_head=per_head), device="cuda",
-                               lengths=(5000, 3001, 777))
+        check = run_self_check(
+            sparse.attend, *heads, dtype, PruningConfig(per_head=per_head), device="cuda", lengths=(5000, 3001, 777)
+        )
         assert check.ok, check

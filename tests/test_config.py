@@ -87,7 +87,9 @@ def test_bad_request_overrides_raise_value_error(overrides, needle):
 
 
 def test_every_request_is_a_server_setting_that_needs_the_sampling_loop():
-    assert EntropicConfig.model_validate({"mode": "sampling", "sampling": {"every_request": True}}).sampling.every_request
+    assert EntropicConfig.model_validate(
+        {"mode": "sampling", "sampling": {"every_request": True}}
+    ).sampling.every_request
     with pytest.raises(ValidationError, match="needs mode sampling or full"):
         EntropicConfig.model_validate({"mode": "pruning", "sampling": {"every_request": True}})
     with pytest.raises(ValueError, match="custom_params.entropic.every_request"):
@@ -138,11 +140,15 @@ def test_full_speculates_by_default_unless_turned_off_or_ruled_out():
     spec, updates = speculative_args(EntropicConfig(), {}, "cpu", spell_flag)
     assert spec.speculative.algorithm == "NGRAM" and spec.speculative.draft == "entropy"
     assert spec.speculative.source.startswith("on: the default of --entropic full")
-    assert updates == {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 1,
-                       "attention_backend": "entropic"}
+    assert updates == {
+        "speculative_algorithm": "NGRAM",
+        "speculative_ngram_max_bfs_breadth": 1,
+        "attention_backend": "entropic",
+    }
     # on CUDA where pruning does not engage: SGLang's NGRAM as stock runs it, nothing else
-    full_cuda = EntropicConfig().model_copy(update={"pruning": EntropicConfig().pruning.model_copy(
-        update={"engaged": False})})  # as pruning_args leaves it
+    full_cuda = EntropicConfig().model_copy(
+        update={"pruning": EntropicConfig().pruning.model_copy(update={"engaged": False})}
+    )  # as pruning_args leaves it
     assert speculative_args(full_cuda, {}, "cuda", spell_flag)[1] == {"speculative_algorithm": "NGRAM"}
     off = EntropicConfig.model_validate({"speculative": {"draft": "off"}})
     spec, updates = speculative_args(off, {}, "cpu", spell_flag)
@@ -151,11 +157,12 @@ def test_full_speculates_by_default_unless_turned_off_or_ruled_out():
         speculative_args(off, {"speculative_algorithm": "NGRAM"}, "cpu", spell_flag)
     explicit = speculative_args(EntropicConfig(), {"speculative_algorithm": "NGRAM"}, "cpu", spell_flag)[0]
     assert explicit.speculative.source == "on: --speculative-algorithm NGRAM"
-    for args, config, named in (({"pp_size": 2}, EntropicConfig(), "--pp-size 2"),
-                                ({"dp_size": 2}, EntropicConfig(), "--dp-size 2"),
-                                ({"speculative_adaptive": True}, EntropicConfig(), "--speculative-adaptive"),
-                                ({}, EntropicConfig.model_validate({"sampling": {"controller": "mirostat_v2"}}),
-                                 "mirostat_v2")):
+    for args, config, named in (
+        ({"pp_size": 2}, EntropicConfig(), "--pp-size 2"),
+        ({"dp_size": 2}, EntropicConfig(), "--dp-size 2"),
+        ({"speculative_adaptive": True}, EntropicConfig(), "--speculative-adaptive"),
+        ({}, EntropicConfig.model_validate({"sampling": {"controller": "mirostat_v2"}}), "mirostat_v2"),
+    ):
         spec, updates = speculative_args(config, args, "cpu", spell_flag)
         assert not spec.speculative_on and updates == {} and named in spec.speculative.source
     with pytest.raises(ValueError, match="set by the launcher"):

@@ -12,15 +12,19 @@ import torch
 from sgl_entropic._sgl_kernel_cpu import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
 # Where a real sgl_kernel is installed (a GPU machine), the stand-in is never served: nothing to test.
-pytestmark = pytest.mark.skipif(importlib.machinery.PathFinder.find_spec("sgl_kernel") is not None,
-                                reason="a real sgl_kernel is installed; the stand-in is not used")
+pytestmark = pytest.mark.skipif(
+    importlib.machinery.PathFinder.find_spec("sgl_kernel") is not None,
+    reason="a real sgl_kernel is installed; the stand-in is not used",
+)
 
 
 def _run(code: str, extra_path: str | None = None) -> str:
     env = dict(os.environ)
     if extra_path:
         env["PYTHONPATH"] = extra_path
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_stand_in_is_served_in_a_fresh_interpreter():
@@ -63,8 +67,14 @@ def test_a_wheel_ships_the_pth_and_uninstalling_the_project_removes_it(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     subprocess.run([*pip, "--python", python, "install", "--no-deps", *map(str, tmp_path.glob("*.whl"))], check=True)
     assert (site / PTH_NAME).read_text() == PTH_LINE
     subprocess.run([*pip, "--python", python, "uninstall", "-y", "sgl-entropic"], check=True)

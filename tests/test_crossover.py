@@ -37,6 +37,7 @@ def test_measure_alternates_dense_and_sparse_and_keeps_each_ones_fastest_call():
             calls.append((n, sparse))
             # a burst of load during the first timed dense call only: the fastest call must not see it
             time.sleep(0.2 if (n, sparse) == (512, False) and calls.count((n, sparse)) == 2 else 0.001)
+
         return run
 
     timings = measure(step, [256, 512], repeats=3)

@@ -25,8 +25,21 @@ CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": 0.3, "t_max": 0.6, "t
 def dp_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     # the crossovers given: each rank would otherwise time them at start-up (not under test)
-    srv = start_server([sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--dp-size", "2",
-                        "--entropic-config", json.dumps({"pruning": PRUNING}), *COMMON_ARGS], log)
+    srv = start_server(
+        [
+            sys.executable,
+            "-m",
+            "sgl_entropic.launch_server",
+            "--entropic",
+            "full",
+            "--dp-size",
+            "2",
+            "--entropic-config",
+            json.dumps({"pruning": PRUNING}),
+            *COMMON_ARGS,
+        ],
+        log,
+    )
     yield srv
     stop_server(srv.proc)
 
@@ -45,9 +58,19 @@ def test_every_rank_loads_the_plugin_and_reports_itself(dp_server):
 
 def test_requests_spread_over_both_ranks_and_carry_their_traces(dp_server):
     before = {s["dp_rank"]: s["requests_admitted"] for s in _states(dp_server)}
-    bodies = [{"text": CHAT.format(f"Describe item {i}."), "return_entropy": True,
-               "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0.8,
-                                   "custom_params": CONTROLLER}} for i in range(8)]
+    bodies = [
+        {
+            "text": CHAT.format(f"Describe item {i}."),
+            "return_entropy": True,
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "ignore_eos": True,
+                "temperature": 0.8,
+                "custom_params": CONTROLLER,
+            },
+        }
+        for i in range(8)
+    ]
     with cf.ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(dp_server.generate, bodies))
     for out in outs:

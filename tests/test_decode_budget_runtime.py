@@ -20,24 +20,38 @@ from tests.conftest import COMMON_ARGS, start_server, stop_server
 pytestmark = pytest.mark.server
 
 BUDGET, MAX_SKIP = 2, 3
-PROMPTS = [f"<|im_start|>user\nWrite a short poem about the number {i}.<|im_end|>\n<|im_start|>assistant\n"
-           for i in range(6)]
+PROMPTS = [
+    f"<|im_start|>user\nWrite a short poem about the number {i}.<|im_end|>\n<|im_start|>assistant\n" for i in range(6)
+]
 
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("budget") / "server.log"
     config = {"scheduling": {"decode_budget": BUDGET, "max_skip_steps": MAX_SKIP}}
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "scheduling",
-           "--entropic-config", json.dumps(config), *COMMON_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sgl_entropic.launch_server",
+        "--entropic",
+        "scheduling",
+        "--entropic-config",
+        json.dumps(config),
+        *COMMON_ARGS,
+    ]
     srv = start_server(cmd, log, env={**os.environ, "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "10"})
     yield srv
     stop_server(srv.proc)
 
 
 def _greedy(srv, prompt, n=16):
-    return srv.generate({"text": prompt, "return_entropy": True,
-                         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    return srv.generate(
+        {
+            "text": prompt,
+            "return_entropy": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        }
+    )
 
 
 def _burst(srv):

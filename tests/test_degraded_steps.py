@@ -37,10 +37,15 @@ def setup(config: EntropicConfig = EntropicConfig(), rows: int = 2):
 def sample(rt, reqs, sampler, logit_rows=None):
     """One sampling step through the Sampler.forward hook, then its record (and SGLang's commit of the tokens)."""
     rt.rows = sampling_step.BatchRows.of(reqs, [True] * len(reqs), forward_iter=None)
-    rt.forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
-                                       seq_lens_cpu=torch.full((len(reqs),), 10))
-    info = SimpleNamespace(temperatures=torch.ones(len(reqs), 1), top_ks=torch.ones(len(reqs), dtype=torch.long),
-                           is_all_greedy=True, has_custom_logit_processor=False)
+    rt.forward_batch = SimpleNamespace(
+        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]), seq_lens_cpu=torch.full((len(reqs),), 10)
+    )
+    info = SimpleNamespace(
+        temperatures=torch.ones(len(reqs), 1),
+        top_ks=torch.ones(len(reqs), dtype=torch.long),
+        is_all_greedy=True,
+        has_custom_logit_processor=False,
+    )
     logits = torch.randn(len(reqs) if logit_rows is None else logit_rows, V)
     tokens = sampling_step.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
     finish_pending(rt)
@@ -60,14 +65,17 @@ def faulty(*args, **kwargs):
 
 
 @pytest.mark.parametrize("where", ["controller", "signal", "logits shape", "finish"])
-def test_a_failed_sampling_step_gives_its_tokens_null_values_and_later_tokens_stay_in_step(where, monkeypatch,
-                                                                                          caplog):
+def test_a_failed_sampling_step_gives_its_tokens_null_values_and_later_tokens_stay_in_step(where, monkeypatch, caplog):
     rt, reqs = setup()
-    patches = {"controller": (sampling_step.SamplingStep, "__init__"), "signal": (sampling_step.SamplingStep, "record"),
-               "finish": (sampling_step, "record_token")}
+    patches = {
+        "controller": (sampling_step.SamplingStep, "__init__"),
+        "signal": (sampling_step.SamplingStep, "record"),
+        "finish": (sampling_step, "record_token"),
+    }
     with monkeypatch.context() as m:
         if where in patches:
             m.setattr(*patches[where], faulty)
+
         def sampler(*args, **kwargs):
             return torch.zeros(len(reqs), dtype=torch.long)
 
@@ -129,8 +137,9 @@ def test_a_failed_verify_step_gives_each_committed_token_a_null_value(where, mon
     else:
         monkeypatch.setattr(speculation, "verify", lambda *a, **k: (served, faulty))
     batch = SimpleNamespace(reqs=reqs, forward_mode=SimpleNamespace(is_idle=lambda: False), forward_iter=None)
-    result = speculation.around_eagle_sample(lambda *a, **k: served, VerifyInput(), batch,
-                                             SimpleNamespace(next_token_logits=None))
+    result = speculation.around_eagle_sample(
+        lambda *a, **k: served, VerifyInput(), batch, SimpleNamespace(next_token_logits=None)
+    )
     assert result is served
     finish_pending(rt)
     for r, n in zip(reqs, (3, 2)):
@@ -138,4 +147,3 @@ def test_a_failed_verify_step_gives_each_committed_token_a_null_value(where, mon
         assert_aligned(r, speculative=True)
         assert r.customized_info["entropy"][-n:] == [None] * n
     assert list(rt.degraded.values()) == ([] if where == "verify batch" else [1])  # that one counts at its batch
-

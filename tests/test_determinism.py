@@ -21,19 +21,40 @@ BF16_ARGS = [a if a != "float32" else "bfloat16" for a in COMMON_ARGS]
 
 def outputs(srv) -> list[list[list[int]]]:
     """RUNS rounds of every prompt, one request at a time, without flushing anything in between."""
-    return [[srv.generate({"text": text, "sampling_params": {"max_new_tokens": 64, "temperature": 0}})["output_ids"]
-             for text in real_prompts()] for _ in range(RUNS)]
+    return [
+        [
+            srv.generate({"text": text, "sampling_params": {"max_new_tokens": 64, "temperature": 0}})["output_ids"]
+            for text in real_prompts()
+        ]
+        for _ in range(RUNS)
+    ]
 
 
 def capped(srv, drafts: int):
-    return srv.post("/generate", {"text": "Hi", "sampling_params": {
-        "max_new_tokens": 2, "custom_params": {"entropic": {"speculative": {"max_draft_tokens": drafts}}}}})
+    return srv.post(
+        "/generate",
+        {
+            "text": "Hi",
+            "sampling_params": {
+                "max_new_tokens": 2,
+                "custom_params": {"entropic": {"speculative": {"max_draft_tokens": drafts}}},
+            },
+        },
+    )
 
 
 def test_bf16_greedy_output_is_the_same_on_every_run_and_after_a_restart(tmp_path):
     """The default as a user launches it (SGLang's NGRAM width left to its default, 12 nodes)."""
-    cmd = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--entropic-config",
-           json.dumps({"pruning": PRUNING}), *BF16_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sgl_entropic.launch_server",
+        "--entropic",
+        "full",
+        "--entropic-config",
+        json.dumps({"pruning": PRUNING}),
+        *BF16_ARGS,
+    ]
     launches, logs = [], []
     for i in range(2):
         log = tmp_path / f"launch{i}" / "server.log"

@@ -15,9 +15,14 @@ import config_table  # noqa: E402
 
 
 def test_the_site_builds_strictly(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "speculative" / "index.html").is_file()
 
@@ -50,10 +55,12 @@ def test_the_step_tables_name_every_hook_and_nothing_else():
     from sgl_entropic.config import EntropicConfig
     from sgl_entropic.plugin import hook_table
 
-    config = EntropicConfig.model_validate({"mode": "full", "scheduling": {"decode_budget": 4},
-                                            "speculative": {"algorithm": "NGRAM", "draft": "entropy"}})
-    want = {(".".join(h.target.split(".")[-2:]), h.kind, h.handler.__module__.rsplit(".", 1)[1])
-            for h in hook_table(config)}
+    config = EntropicConfig.model_validate(
+        {"mode": "full", "scheduling": {"decode_budget": 4}, "speculative": {"algorithm": "NGRAM", "draft": "entropy"}}
+    )
+    want = {
+        (".".join(h.target.split(".")[-2:]), h.kind, h.handler.__module__.rsplit(".", 1)[1]) for h in hook_table(config)
+    }
     section = (ROOT / "docs" / "architecture.md").read_text().split("## One step, hook by hook", 1)[1]
     section = section.split("\n## ", 1)[0]
     rows = re.findall(r"^\|(?: [0-9a-e]+ \|)? `([\w.]+)` \| (\w+) \| `(\w+)` \|", section, re.M)

@@ -13,8 +13,9 @@ from tests.logit_cases import edge_case_batch
 
 COMPILED = entropy_cpu.load()
 # scripts/setup.sh builds them, so CI (which runs it) fails rather than skips when they are missing
-pytestmark = pytest.mark.skipif(COMPILED is None and not os.environ.get("CI"),
-                                reason="not built here: python -m sgl_entropic.cpu kernels")
+pytestmark = pytest.mark.skipif(
+    COMPILED is None and not os.environ.get("CI"), reason="not built here: python -m sgl_entropic.cpu kernels"
+)
 
 
 @pytest.mark.parametrize("vocab", [1000, 49152, 262144])
@@ -27,8 +28,9 @@ def test_compiled_stats_equal_the_reference_on_edge_rows(vocab, dtype):
         assert got.valid.tolist() == want.valid.tolist() == valid[rows]
         for name in ("entropy", "surprisal", "lse"):
             # the eager reference sums p x: a few 1e-4 nats of rounding at H ~ 12 over 262k (signal._entropy_and_lse)
-            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=5e-4, rtol=1e-5,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                getattr(got, name), getattr(want, name), atol=5e-4, rtol=1e-5, msg=lambda m: f"{name}: {m}"
+            )
             assert torch.isfinite(getattr(got, name)).all()
 
 
@@ -47,8 +49,15 @@ def test_the_signal_uses_the_compiled_kernel_on_cpu_and_it_matches_float64():
 
 def test_the_compiled_entropy_keeps_nan_for_rows_without_a_distribution():
     # The controller holds its temperature on a NaN probe (sampling.update_temperature).
-    logits = torch.tensor([[float("nan"), 1.0, 0.0], [float("inf"), 1.0, 0.0], [-math.inf] * 3,
-                           [0.0, -math.inf, 0.0], [3.0, -math.inf, -math.inf]])
+    logits = torch.tensor(
+        [
+            [float("nan"), 1.0, 0.0],
+            [float("inf"), 1.0, 0.0],
+            [-math.inf] * 3,
+            [0.0, -math.inf, 0.0],
+            [3.0, -math.inf, -math.inf],
+        ]
+    )
     h = entropy_exact(logits)
     assert torch.equal(h.nan_to_num(), COMPILED.entropy(logits, torch.ones(5)).nan_to_num())
     assert torch.isnan(h[:3]).all()

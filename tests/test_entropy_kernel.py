@@ -48,11 +48,12 @@ def check_under_interpreter() -> None:
 
 
 def test_kernel_matches_reference_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}  # the script imports tests.logit_cases
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }  # the script imports tests.logit_cases
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -106,8 +107,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--time":
         for batch, vocab in ((1, 49152), (64, 152064), (256, 152064)):
             ms, ref_ms, gbs = time_kernel(batch, vocab)
-            print(f"token_stats B={batch} V={vocab} bf16: {ms:.3f} ms ({ref_ms / ms:.1f}x the torch reference), "
-                  f"{gbs:.0f} GB/s of logits")
+            print(
+                f"token_stats B={batch} V={vocab} bf16: {ms:.3f} ms ({ref_ms / ms:.1f}x the torch reference), "
+                f"{gbs:.0f} GB/s of logits"
+            )
     else:
         assert os.environ.get("TRITON_INTERPRET") == "1", "run through the pytest test above"
         check_under_interpreter()

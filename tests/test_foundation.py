@@ -34,11 +34,12 @@ def test_greedy_generation_is_the_models_own(server, hf_model):
     """Eight greedy tokens through the plugin's server (full mode: its attention backend, its sampler hook) equal
     plain transformers' greedy decoding of the same fp32 weights, and the text is their detokenization."""
     model, tokenizer = hf_model
-    out = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
-                                                             "ignore_eos": True}})
+    out = server.generate(
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    )
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        reference = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        reference = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     assert out["output_ids"] == reference
     assert out["text"] == tokenizer.decode(reference)
 
@@ -76,7 +77,10 @@ def test_top5_logprobs_match_transformers(server, hf_model):
         (["--entropic-config", '{"sampling": {"eta": NaN}}'], "NaN"),
         (["--entropic-config", "/no/such/file.json"], "not inline JSON and not a file"),
         (["--entropic", "off", "--entropic-config", '{"mode": "full"}'], "contradicts"),
-        (["--entropic", "pruning", "--entropic-config", '{"sampling": {"every_request": true}}'], "every_request needs"),
+        (
+            ["--entropic", "pruning", "--entropic-config", '{"sampling": {"every_request": true}}'],
+            "every_request needs",
+        ),
         (["--entropic", "sampling", "--schedule-policy", "entropic"], "--schedule-policy entropic"),
         (["--entropic", "full", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
         (["--entropic", "pruning", "--disaggregation-mode", "decode"], "--disaggregation-mode decode"),

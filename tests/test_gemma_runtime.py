@@ -30,21 +30,40 @@ def gemma_servers(tmp_path_factory):
     from sgl_entropic.model import prepare_model
 
     model = str(prepare_model("gemma3-270m"))
+
     def entropic(config: dict) -> list[str]:
-        return [sys.executable, "-m", "sgl_entropic.launch_server", "--model-path", model, "--entropic", "full",
-                "--entropic-config", json.dumps({"pruning": PRUNING, **config}), *ARGS]
+        return [
+            sys.executable,
+            "-m",
+            "sgl_entropic.launch_server",
+            "--model-path",
+            model,
+            "--entropic",
+            "full",
+            "--entropic-config",
+            json.dumps({"pruning": PRUNING, **config}),
+            *ARGS,
+        ]
 
     ours = entropic({"speculative": {"draft": "off"}})  # pruned decode on every step: no verify steps
     stock = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", *ARGS]
     stock_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
     # `matched` verifies every draft the trie offers: the identity test must not hang on the entropy rule's timing
-    spec = [*entropic({"speculative": {"draft": "matched"}}),
-            "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"]
+    spec = [
+        *entropic({"speculative": {"draft": "matched"}}),
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
     logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma", "gemma-stock", "gemma-spec")]
     with ThreadPoolExecutor(3) as pool:  # all load at once
-        started = [pool.submit(start_server, ours, logs[0]), pool.submit(start_server, stock, logs[1], stock_env),
-                   pool.submit(start_server, spec, logs[2])]
+        started = [
+            pool.submit(start_server, ours, logs[0]),
+            pool.submit(start_server, stock, logs[1], stock_env),
+            pool.submit(start_server, spec, logs[2]),
+        ]
         servers = [f.result() for f in started]
     yield servers
     with ThreadPoolExecutor(3) as pool:  # each takes seconds to shut down
@@ -91,9 +110,18 @@ def test_gemma_traces_cover_every_token_over_its_262k_vocabulary(passkeys):
 
 def test_gemma_controller_steers_the_temperature(gemma_servers):
     ours = gemma_servers[0]
-    out = ours.generate({"text": "The history of the lighthouse begins", "return_entropy": True,
-                         "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
-                                             "custom_params": {"entropic": {"target_entropy": 1.0}}}})
+    out = ours.generate(
+        {
+            "text": "The history of the lighthouse begins",
+            "return_entropy": True,
+            "sampling_params": {
+                "max_new_tokens": 24,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "custom_params": {"entropic": {"target_entropy": 1.0}},
+            },
+        }
+    )
     temps = out["meta_info"]["temperature"]
     assert len(temps) == 24 and len(set(temps)) > 1  # the controller moved T
     assert all(0.0 < t <= 2.0 for t in temps)

@@ -69,8 +69,13 @@ print(json.dumps(out))
 def test_on_cuda_full_changes_nothing_where_pruning_cannot_engage_and_keeps_decode_graphs_where_it_can(model_path):
     received, stderr = {}, {}
     for case in ("default", "prunes"):
-        proc = subprocess.run([sys.executable, "-c", _SERVER_ARGS_ON_CUDA, case], capture_output=True, text=True,
-                              timeout=300, env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"})
+        proc = subprocess.run(
+            [sys.executable, "-c", _SERVER_ARGS_ON_CUDA, case],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         received.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         stderr[case] = proc.stderr
@@ -82,11 +87,23 @@ def test_on_cuda_full_changes_nothing_where_pruning_cannot_engage_and_keeps_deco
         assert received["default"][who]["speculative_algorithm"] == "NGRAM"
         # ... and where pruning engages: decode graphs stay, prefill graphs go (a replayed extend would skip the
         # page store's fold), and drafts are chains (pages of pruning.page_size tokens)
-        prunes = {k: received["prunes"][who][k] for k in ("disable_cuda_graph", "disable_prefill_cuda_graph",
-                                                           "attention_backend", "page_size",
-                                                           "speculative_ngram_max_bfs_breadth")}
-        assert prunes == {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
-                          "attention_backend": "entropic", "page_size": 16, "speculative_ngram_max_bfs_breadth": 1}, who
+        prunes = {
+            k: received["prunes"][who][k]
+            for k in (
+                "disable_cuda_graph",
+                "disable_prefill_cuda_graph",
+                "attention_backend",
+                "page_size",
+                "speculative_ngram_max_bfs_breadth",
+            )
+        }
+        assert prunes == {
+            "disable_cuda_graph": False,
+            "disable_prefill_cuda_graph": True,
+            "attention_backend": "entropic",
+            "page_size": 16,
+            "speculative_ngram_max_bfs_breadth": 1,
+        }, who
     # the KV pool: only an engaged pruning loop takes the page store's bytes out of it (config_from_budget)
     assert "KVCacheConfigurator" not in received["default"]["hooks"]
     assert "KVCacheConfigurator" in received["prunes"]["hooks"]
@@ -108,12 +125,17 @@ def test_kv_paths_the_page_store_does_not_see_are_refused_only_with_pruning(fiel
     _engine_kwargs(EntropicConfig(mode="full"), {"model_path": "m", "device": "cuda", field: True})  # cannot prune
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"dcp_size": 2}, "dcp_size=2"), ({"attn_dp_size": 2}, "attn_dp_size=2"),
-    ({"enable_dp_attention": True}, "enable_dp_attention=True"), ({"pp_size": 2}, "pp_size=2"),
-    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2'"),
-    ({"cuda_graph_backend_prefill": "full"}, "cuda_graph_backend_prefill='full'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"dcp_size": 2}, "dcp_size=2"),
+        ({"attn_dp_size": 2}, "attn_dp_size=2"),
+        ({"enable_dp_attention": True}, "enable_dp_attention=True"),
+        ({"pp_size": 2}, "pp_size=2"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2'"),
+        ({"cuda_graph_backend_prefill": "full"}, "cuda_graph_backend_prefill='full'"),
+    ],
+)
 def test_what_splits_the_page_plan_or_hides_the_keys_is_refused_with_pruning(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         _engine_kwargs(PRUNES_ON_CUDA, {"model_path": "m", "device": "cuda", **kwargs})
@@ -129,16 +151,18 @@ def test_pruning_on_cuda_needs_a_power_of_two_page_and_no_prefill_graphs():
     assert "disable_prefill_cuda_graph" not in _engine_kwargs(EntropicConfig(), {"model_path": "m", "device": "cpu"})[1]
 
 
-@pytest.mark.parametrize("pruning, engaged", [({}, False), ({"min_context": 4096}, True),
-                                              ({"shortlist_ratio": None}, True)])
+@pytest.mark.parametrize(
+    "pruning, engaged", [({}, False), ({"min_context": 4096}, True), ({"shortlist_ratio": None}, True)]
+)
 def test_full_on_cuda_engages_pruning_only_where_the_crossover_rule_can_prune(pruning, engaged):
     config = EntropicConfig.model_validate({"mode": "full", "pruning": pruning})
     config_cuda, kwargs = _engine_kwargs(config, {"model_path": "m", "device": "cuda"})
     assert config_cuda.pruning_on is engaged and ("attention_backend" in kwargs) is engaged
     assert _engine_kwargs(config, {"model_path": "m", "device": "cpu"})[0].pruning_on  # CPU: timed, may prune
     # an explicit `--entropic pruning` keeps today's behaviour: the user asked for the loop
-    assert _engine_kwargs(config.model_copy(update={"mode": "pruning"}), {"model_path": "m", "device": "cuda"})[0] \
-        .pruning_on
+    assert _engine_kwargs(config.model_copy(update={"mode": "pruning"}), {"model_path": "m", "device": "cuda"})[
+        0
+    ].pruning_on
 
 
 def test_engaged_is_the_launcher_s_not_a_setting():
@@ -161,9 +185,10 @@ def test_the_page_store_comes_out_of_the_kv_pools_budget():
     budget = 1000 * page * kv_bytes_per_token
     runtime.install(EntropicConfig(mode="pruning"))
     seen = []
-    page_store.around_config_from_budget(lambda conf, pool_budget, **kw: seen.append((pool_budget, kw)), None, budget,
-                                         cap_tokens=5)
-    (pool_budget, passed), = seen
+    page_store.around_config_from_budget(
+        lambda conf, pool_budget, **kw: seen.append((pool_budget, kw)), None, budget, cap_tokens=5
+    )
+    ((pool_budget, passed),) = seen
     assert passed == {"cap_tokens": 5}  # SGLang's other arguments go through untouched
     tokens = pool_budget // kv_bytes_per_token
     store = page_store.PageStore(range(layers), tokens, page, heads, dim, torch.float32, "cpu", 4, with_surprisal=False)
@@ -177,14 +202,16 @@ def test_a_model_with_sliding_window_layers_gives_the_pool_what_their_missing_bo
     from sglang.srt.layers.radix_attention import RadixAttention
 
     layers, heads, dim, page = 18, 1, 256, 16
-    model = torch.nn.ModuleList(RadixAttention(4, dim, 1.0, heads, i, sliding_window_size=-1 if i % 6 == 5 else 511)
-                                for i in range(layers))
+    model = torch.nn.ModuleList(
+        RadixAttention(4, dim, 1.0, heads, i, sliding_window_size=-1 if i % 6 == 5 else 511) for i in range(layers)
+    )
     kv_bytes_per_token = 2 * layers * heads * dim * 4
     budget = 1000 * page * kv_bytes_per_token
     runtime.install(EntropicConfig(mode="pruning"))
     seen = []
-    page_store.around_config_from_budget(lambda conf, pool_budget: seen.append(pool_budget),
-                                         SimpleNamespace(model=model), budget)
+    page_store.around_config_from_budget(
+        lambda conf, pool_budget: seen.append(pool_budget), SimpleNamespace(model=model), budget
+    )
     tokens = seen[0] // kv_bytes_per_token
     full, total = page_store.full_context_layers(model)
     assert full == [5, 11, 17] and total == 18
@@ -194,6 +221,7 @@ def test_a_model_with_sliding_window_layers_gives_the_pool_what_their_missing_bo
 
 
 # ---------------------------------------------------------------------------- the CUDA path, on a stub FlashInfer
+
 
 class _StubDecodeWrapper:
     """FlashInfer's decode wrapper as the backend drives it: plan() records what it was given (host
@@ -213,8 +241,10 @@ class _StubDecodeWrapper:
         from sgl_entropic.pruning import sparse_decode_attention
 
         k, v = kv_cache
-        out = [sparse_decode_attention(q[r], k[self.indices[a:b].long()], v[self.indices[a:b].long()], scale=sm_scale)
-               for r, (a, b) in enumerate(zip(self.indptr[:-1].tolist(), self.indptr[1:].tolist()))]
+        out = [
+            sparse_decode_attention(q[r], k[self.indices[a:b].long()], v[self.indices[a:b].long()], scale=sm_scale)
+            for r, (a, b) in enumerate(zip(self.indptr[:-1].tolist(), self.indptr[1:].tolist()))
+        ]
         return torch.stack(out)
 
 
@@ -225,7 +255,9 @@ def flashinfer_sparse(monkeypatch):
     import sys
     import types
 
-    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_StubDecodeWrapper))
+    monkeypatch.setitem(
+        sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_StubDecodeWrapper)
+    )
     import sgl_entropic.plugin.attention_flashinfer as fi
     from sgl_entropic.kernels import page_scores
 
@@ -269,7 +301,10 @@ def test_the_cuda_path_passes_the_self_check_and_plans_once_without_reading_the_
     indptr, last_page_len, qo_heads, kv_heads, page_size = sparse.wrapper.plans[-1]
     assert indptr.device.type == last_page_len.device.type == "cpu" and page_size == 1
     lists = 3 if per_head else 1
-    assert indptr.tolist()[-1] == sum(r.kept_tokens for r in rows) * lists and (qo_heads, kv_heads) == (9 // lists, 3 // lists)
+    assert indptr.tolist()[-1] == sum(r.kept_tokens for r in rows) * lists and (qo_heads, kv_heads) == (
+        9 // lists,
+        3 // lists,
+    )
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -324,8 +359,11 @@ def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashin
     from tests.backend_stubs import CFG, HEADS_KV, HEADS_Q, LAYERS, setup, stub_layer
 
     runner, _, batch, q, _ = setup(CFG, [700, 300, 1000, 129])
-    monkeypatch.setattr(FlashInferAttnBackend, "init_forward_metadata",
-                        lambda self, fb: setattr(self, "forward_metadata", DecodeMetadata([object()])))
+    monkeypatch.setattr(
+        FlashInferAttnBackend,
+        "init_forward_metadata",
+        lambda self, fb: setattr(self, "forward_metadata", DecodeMetadata([object()])),
+    )
     backend = object.__new__(flashinfer_sparse.EntropicFlashInferAttnBackend)  # SGLang's __init__ needs CUDA
     backend.planner = PagePlanner(runner, CFG)
     backend.sparse = flashinfer_sparse.FlashInferSparse(None, (HEADS_Q, HEADS_KV, 16), (torch.float32,) * 2, 16, False)

@@ -91,7 +91,12 @@ def test_the_cores_never_import_sglang_or_the_plugin():
         if len(parts) < 2 or parts[1] not in cores:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert not name.startswith(("sglang", "sgl_entropic.plugin")), (mod, name)

@@ -19,10 +19,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_project_with_its_dependencies_resolves_to_sglang_s_cuda_set(tmp_path):
     report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--dry-run",
-                    "--ignore-installed", "-q", "--report", str(report), "-r", str(ROOT / "requirements" / "gpu.txt")],
-                   cwd=ROOT, check=True, timeout=900)
-    versions = {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(report),
+            "-r",
+            str(ROOT / "requirements" / "gpu.txt"),
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=900,
+    )
+    versions = {
+        p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]
+    }
     assert versions["sgl-entropic"] == "0.1.0"
     assert (versions["sglang"], versions["torch"], versions["flashinfer-python"], versions["sglang-kernel"]) == (
-        "0.5.23", "2.14.1", "0.7.2", "0.4.10")
+        "0.5.23",
+        "2.14.1",
+        "0.7.2",
+        "0.4.10",
+    )

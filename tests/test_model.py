@@ -12,8 +12,15 @@ from sgl_entropic import model
 def test_the_expected_config_comes_from_the_gguf_metadata(tmp_path):
     fields = model.gguf_fields(model.MODELS["smollm2-135m"].gguf(tmp_path))
     expected = model.expected_config(fields)
-    assert expected == {"model_type": "llama", "vocab_size": 49152, "num_hidden_layers": 30, "hidden_size": 576,
-                        "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert expected == {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    }
     assert model.adds_bos(fields) is False  # SmolLM2's chat template carries its own start token
     folder = model.prepare_bundled_model()
     model._verify(folder, expected, chat=True, bos=False)  # the converted folder passes its own check

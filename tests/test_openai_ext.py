@@ -28,8 +28,9 @@ def _check(entry, tokens: int, index: int = 0):
 
 
 def test_chat_carries_the_traces_when_asked(server):
-    out = _client(server).chat.completions.create(model="default", messages=MESSAGES, max_tokens=8, temperature=0,
-                                                  extra_body=ASK)
+    out = _client(server).chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=8, temperature=0, extra_body=ASK
+    )
     (entry,) = out.model_extra["sglext"]["entropic"]
     _check(entry, out.usage.completion_tokens)
     assert entry["temperature"] == [0.0] * out.usage.completion_tokens  # greedy
@@ -37,8 +38,14 @@ def test_chat_carries_the_traces_when_asked(server):
 
 def test_a_chat_stream_ends_with_the_traces(server):
     stream = _client(server).chat.completions.create(
-        model="default", messages=MESSAGES, max_tokens=8, temperature=0.7, stream=True, extra_body=ASK,
-        stream_options={"include_usage": True})
+        model="default",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0.7,
+        stream=True,
+        extra_body=ASK,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     tokens = next(c.usage.completion_tokens for c in chunks if c.usage is not None)
     ext = [c for c in chunks if (c.model_extra or {}).get("sglext", {}).get("entropic")]
@@ -48,8 +55,9 @@ def test_a_chat_stream_ends_with_the_traces(server):
 
 def test_completions_two_choices_and_a_stream(server):
     client = _client(server)
-    body = dict(model="default", prompt="The sky is", max_tokens=6, temperature=0.8, n=2,
-                extra_body={**ASK, "ignore_eos": True})
+    body = dict(
+        model="default", prompt="The sky is", max_tokens=6, temperature=0.8, n=2, extra_body={**ASK, "ignore_eos": True}
+    )
     out = client.completions.create(**body)
     entries = out.model_extra["sglext"]["entropic"]
     assert [e["index"] for e in entries] == [0, 1]
@@ -61,9 +69,12 @@ def test_completions_two_choices_and_a_stream(server):
 
 
 def test_the_header_asks_too(server):
-    r = requests.post(server.url + "/v1/completions", headers={"x-sglext-return-entropy": "1"}, timeout=300,
-                      json={"model": "default", "prompt": "The sky is", "max_tokens": 4, "temperature": 0,
-                            "ignore_eos": True})
+    r = requests.post(
+        server.url + "/v1/completions",
+        headers={"x-sglext-return-entropy": "1"},
+        timeout=300,
+        json={"model": "default", "prompt": "The sky is", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     _check(r.json()["sglext"]["entropic"][0], 4)
 
@@ -75,17 +86,19 @@ def _strip(data: dict) -> dict:
 def test_without_asking_responses_are_stock(server, stock_server):
     """Greedy on a short prompt: the same JSON as stock SGLang's but for the id and the time; streams too."""
     payload = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
-    ours, stock = (requests.post(s.url + "/v1/chat/completions", json=payload, timeout=300).json()
-                   for s in (server, stock_server))
+    ours, stock = (
+        requests.post(s.url + "/v1/chat/completions", json=payload, timeout=300).json() for s in (server, stock_server)
+    )
     assert "sglext" not in ours and _strip(ours) == _strip(stock)
 
     def stream(s):
         """The streamed text, and each chunk's shape (how tokens split into chunks depends on timing)."""
-        with requests.post(s.url + "/v1/chat/completions", json={**payload, "stream": True}, stream=True,
-                           timeout=300) as r:
+        with requests.post(
+            s.url + "/v1/chat/completions", json={**payload, "stream": True}, stream=True, timeout=300
+        ) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == b"data: [DONE]"
-        chunks = [_strip(json.loads(line[len(b"data: "):])) for line in lines[:-1]]
+        chunks = [_strip(json.loads(line[len(b"data: ") :])) for line in lines[:-1]]
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         shapes = {(tuple(sorted(c)), tuple(sorted(c["choices"][0])) if c["choices"] else ()) for c in chunks}
         return text, shapes, chunks[-1]["choices"][0]["finish_reason"] if chunks[-1]["choices"] else None

@@ -19,8 +19,19 @@ import pytest
 import torch
 
 
-def make_case(batch, heads_q, heads_kv, dim, context, lists=1, shortlist_share=0.5, page_size=16, device="cpu",
-              dtype=torch.float32, seed=0):
+def make_case(
+    batch,
+    heads_q,
+    heads_kv,
+    dim,
+    context,
+    lists=1,
+    shortlist_share=0.5,
+    page_size=16,
+    device="cpu",
+    dtype=torch.float32,
+    seed=0,
+):
     """Rows of `context` tokens on scattered pages of one pool: q, the store's min/max, the KV cache, page
     tables, and a shortlist of pages per list."""
     gen = torch.Generator().manual_seed(seed)
@@ -33,25 +44,42 @@ def make_case(batch, heads_q, heads_kv, dim, context, lists=1, shortlist_share=0
     order = torch.randperm(pool, generator=gen)
     table = order[: batch * pages].view(batch, pages)
     short = max(1, int(shortlist_share * pages))
-    shortlist = torch.stack([torch.stack([table[b, torch.randperm(pages, generator=gen)[:short]] for _ in range(lists)])
-                             for b in range(batch)])  # each list (row, or row and KV head) its own pages
+    shortlist = torch.stack(
+        [
+            torch.stack([table[b, torch.randperm(pages, generator=gen)[:short]] for _ in range(lists)])
+            for b in range(batch)
+        ]
+    )  # each list (row, or row and KV head) its own pages
     move = lambda t, dt=None: t.to(device=device, dtype=dt or t.dtype)  # noqa: E731
-    return (move(q, dtype), move(kmin, dtype), move(kmax, dtype), move(k_cache, dtype), move(table, torch.int32),
-            move(shortlist))
+    return (
+        move(q, dtype),
+        move(kmin, dtype),
+        move(kmax, dtype),
+        move(k_cache, dtype),
+        move(table, torch.int32),
+        move(shortlist),
+    )
 
 
 def check(case, page_size=16, scale=0.125):
-    from sgl_entropic.kernels.page_scores import (page_bounds_reference, page_bounds_triton, page_lse_reference,
-                                                  page_lse_triton)
+    from sgl_entropic.kernels.page_scores import (
+        page_bounds_reference,
+        page_bounds_triton,
+        page_lse_reference,
+        page_lse_triton,
+    )
 
     q, kmin, kmax, k_cache, table, shortlist = case
     for per_head in (False, True):
         got = page_bounds_triton(q, kmin, kmax, table, per_head)
         want = page_bounds_reference(q.float(), kmin.float(), kmax.float(), table, per_head)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
-    torch.testing.assert_close(page_lse_triton(q, k_cache, shortlist, page_size, scale),
-                               page_lse_reference(q.float(), k_cache.float(), shortlist, page_size, scale),
-                               atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(
+        page_lse_triton(q, k_cache, shortlist, page_size, scale),
+        page_lse_reference(q.float(), k_cache.float(), shortlist, page_size, scale),
+        atol=2e-3,
+        rtol=1e-4,
+    )
 
 
 def check_strided_tables() -> None:
@@ -64,8 +92,12 @@ def check_strided_tables() -> None:
     transposed = table.t().contiguous().t()
     for t in (sliced, transposed):
         assert not t.is_contiguous()
-        torch.testing.assert_close(page_bounds_triton(q, kmin, kmax, t, False),
-                                   page_bounds_reference(q, kmin, kmax, table, False), atol=2e-3, rtol=1e-4)
+        torch.testing.assert_close(
+            page_bounds_triton(q, kmin, kmax, t, False),
+            page_bounds_reference(q, kmin, kmax, table, False),
+            atol=2e-3,
+            rtol=1e-4,
+        )
 
 
 def selection_case(lengths, heads_q, heads_kv, dim, per_head, page_size=16, seed=7):
@@ -74,8 +106,14 @@ def selection_case(lengths, heads_q, heads_kv, dim, per_head, page_size=16, seed
     from sgl_entropic.config import PruningConfig
     from sgl_entropic.pruning import StepPlan, row_pages
 
-    cfg = PruningConfig(min_context=0, per_head=per_head, page_size=page_size, max_keep_ratio=0.2,
-                        min_keep_ratio=0.2, shortlist_ratio=0.5)
+    cfg = PruningConfig(
+        min_context=0,
+        per_head=per_head,
+        page_size=page_size,
+        max_keep_ratio=0.2,
+        min_keep_ratio=0.2,
+        shortlist_ratio=0.5,
+    )
     gen = torch.Generator().manual_seed(seed)
     width = -(-max(lengths) // page_size)
     pool = len(lengths) * width + 1
@@ -99,15 +137,20 @@ def check_selection(lengths, heads_q, heads_kv, dim, per_head, device, dtype=tor
 
     plan, q, k, v, kmin, kmax = selection_case(lengths, heads_q, heads_kv, dim, per_head, page_size)
     q, k, v, kmin, kmax = (t.to(dtype) for t in (q, k, v, kmin, kmax))
-    scale = dim ** -0.5
+    scale = dim**-0.5
     _, cpu_kept = attend_rows(q, k, v, plan, kmin, kmax, scale)
     on = lambda t: t.to(device)  # noqa: E731
     device_plan = StepPlan.build(plan.rows, on(plan.page_table), per_head=per_head)
-    kept = select_pages(TRITON_STAGES, on(q), on(k), on(kmin), on(kmax), device_plan,
-                        device_plan.page_table.to(torch.int32), scale).cpu()
+    kept = select_pages(
+        TRITON_STAGES, on(q), on(k), on(kmin), on(kmax), device_plan, device_plan.page_table.to(torch.int32), scale
+    ).cpu()
     assert kept.shape == cpu_kept.shape
-    differ = [(b, lst) for b, r in enumerate(plan.rows) for lst in range(kept.shape[1])
-              if sorted(kept[b, lst, : r.keep].tolist()) != sorted(cpu_kept[b, lst, : r.keep].tolist())]
+    differ = [
+        (b, lst)
+        for b, r in enumerate(plan.rows)
+        for lst in range(kept.shape[1])
+        if sorted(kept[b, lst, : r.keep].tolist()) != sorted(cpu_kept[b, lst, : r.keep].tolist())
+    ]
     assert not differ, f"lists whose kept pages differ (row, list): {differ}"
     return len(plan.rows) * kept.shape[1]
 
@@ -142,8 +185,10 @@ def test_kernels_match_their_references_under_the_triton_interpreter():
 @pytest.mark.parametrize("batch,context", [(1, 32768), (64, 4096), (16, 32768)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernels_match_their_references_on_gpu_at_real_sizes(batch, context, dtype):
-    check(make_case(batch, 32, 8, 128, context, lists=8, shortlist_share=0.1, device="cuda", dtype=dtype, seed=batch),
-          scale=128 ** -0.5)
+    check(
+        make_case(batch, 32, 8, 128, context, lists=8, shortlist_share=0.1, device="cuda", dtype=dtype, seed=batch),
+        scale=128**-0.5,
+    )
 
 
 @pytest.mark.gpu
@@ -158,25 +203,39 @@ def test_the_gpu_keeps_the_pages_the_cpu_kernel_keeps_at_real_sizes(per_head, dt
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("page_size", [1, 8, 32, 64])
 def test_kernels_match_their_references_on_gpu_at_other_page_sizes(page_size):
-    check(make_case(8, 32, 8, 128, 8192, lists=8, shortlist_share=0.1, device="cuda", dtype=torch.bfloat16,
-                    page_size=page_size), page_size=page_size, scale=128 ** -0.5)
+    check(
+        make_case(
+            8, 32, 8, 128, 8192, lists=8, shortlist_share=0.1, device="cuda", dtype=torch.bfloat16, page_size=page_size
+        ),
+        page_size=page_size,
+        scale=128**-0.5,
+    )
 
 
 def time_kernels(batch: int, context: int, heads_q: int = 32, heads_kv: int = 8, dim: int = 128, reps: int = 20):
     """Per kernel: (ms per call, GB/s of what it must read, max |kernel - reference|) on CUDA, bf16."""
-    from sgl_entropic.kernels.page_scores import (page_bounds_reference, page_bounds_triton, page_lse_reference,
-                                                  page_lse_triton)
+    from sgl_entropic.kernels.page_scores import (
+        page_bounds_reference,
+        page_bounds_triton,
+        page_lse_reference,
+        page_lse_triton,
+    )
 
-    q, kmin, kmax, k_cache, table, shortlist = make_case(batch, heads_q, heads_kv, dim, context, lists=1,
-                                                         shortlist_share=0.5, device="cuda", dtype=torch.bfloat16)
+    q, kmin, kmax, k_cache, table, shortlist = make_case(
+        batch, heads_q, heads_kv, dim, context, lists=1, shortlist_share=0.5, device="cuda", dtype=torch.bfloat16
+    )
     pages = table.shape[1]
     runs = {
-        "bounds": (lambda: page_bounds_triton(q, kmin, kmax, table, False),
-                   lambda: page_bounds_reference(q.float(), kmin.float(), kmax.float(), table, False),
-                   batch * pages * heads_kv * dim * 2 * 2),  # kmin + kmax, bf16
-        "page_lse": (lambda: page_lse_triton(q, k_cache, shortlist, 16, dim ** -0.5),
-                     lambda: page_lse_reference(q.float(), k_cache.float(), shortlist, 16, dim ** -0.5),
-                     batch * shortlist.shape[2] * 16 * heads_kv * dim * 2),  # the shortlist's keys, bf16
+        "bounds": (
+            lambda: page_bounds_triton(q, kmin, kmax, table, False),
+            lambda: page_bounds_reference(q.float(), kmin.float(), kmax.float(), table, False),
+            batch * pages * heads_kv * dim * 2 * 2,
+        ),  # kmin + kmax, bf16
+        "page_lse": (
+            lambda: page_lse_triton(q, k_cache, shortlist, 16, dim**-0.5),
+            lambda: page_lse_reference(q.float(), k_cache.float(), shortlist, 16, dim**-0.5),
+            batch * shortlist.shape[2] * 16 * heads_kv * dim * 2,
+        ),  # the shortlist's keys, bf16
     }
     out = {}
     for name, (kernel, reference, nbytes) in runs.items():
@@ -198,9 +257,13 @@ def print_registers() -> None:
     for fn in (page_scores._page_bounds_kernel, page_scores._page_lse_kernel):
         for entry in getattr(fn, "device_caches", {}).values():
             for compiled in (entry[0] if isinstance(entry, tuple) else entry).values():
-                constants = {k: v for k, v in getattr(compiled.src, "constants", {}).items() if isinstance(v, (int, bool))}
-                print(f"{fn.__name__}: {getattr(compiled, 'n_regs', '?')} registers, "
-                      f"{getattr(compiled, 'n_spills', '?')} spilled, constants {constants}")
+                constants = {
+                    k: v for k, v in getattr(compiled.src, "constants", {}).items() if isinstance(v, (int, bool))
+                }
+                print(
+                    f"{fn.__name__}: {getattr(compiled, 'n_regs', '?')} registers, "
+                    f"{getattr(compiled, 'n_spills', '?')} spilled, constants {constants}"
+                )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def _result(proc: subprocess.CompletedProcess) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 BREAK_ONE_TARGET = r"""
@@ -90,7 +90,9 @@ def test_another_sglang_version_refuses_the_loops_unless_forced():
 
 
 def test_the_launcher_exits_2_on_another_sglang_version():
-    proc = _run("import sgl_entropic.plugin.hooks as h; h.installed_sglang_version = lambda: '0.6.0'\n"
-                "from sgl_entropic.launch_server import main; main(['--entropic', 'sampling'])")
+    proc = _run(
+        "import sgl_entropic.plugin.hooks as h; h.installed_sglang_version = lambda: '0.6.0'\n"
+        "from sgl_entropic.launch_server import main; main(['--entropic', 'sampling'])"
+    )
     assert proc.returncode == 2
     assert "sgl-entropic supports sglang 0.5.23, found 0.6.0" in proc.stderr

@@ -79,8 +79,17 @@ def test_around_handlers_exclude_the_original_and_nested_hooks_count_once():
     def main_only(x):
         clock.t += 1_000_000  # another process's hook: not wrapped, not timed
 
-    table = timed(_table([("inner", "around", inner, "scheduler"), ("outer", "around", outer, "scheduler"),
-                          ("before", "before", before, "scheduler"), ("main", "after", main_only, "main")]), times)
+    table = timed(
+        _table(
+            [
+                ("inner", "around", inner, "scheduler"),
+                ("outer", "around", outer, "scheduler"),
+                ("before", "before", before, "scheduler"),
+                ("main", "after", main_only, "main"),
+            ]
+        ),
+        times,
+    )
     t_inner, t_outer, t_before, t_main = (h.handler for h in table)
     assert t_main is main_only and times.names == ["Cls.inner:around", "Cls.outer:around", "Cls.before:before"]
     assert t_inner.__wrapped__ is inner and t_inner.__name__ == "inner"  # hooks.is_applied finds ours
@@ -112,16 +121,31 @@ def test_a_raising_handler_is_still_timed():
 @pytest.mark.server
 def test_server_reports_the_plugins_time_per_decode_step(server):
     for _ in range(3):
-        server.generate({"text": "Count: one, two,", "return_entropy": True,
-                         "sampling_params": {"max_new_tokens": 16, "temperature": 0.8, "ignore_eos": True,
-                                             "custom_params": {"entropic": {"target_entropy": 2.0}}}})
+        server.generate(
+            {
+                "text": "Count: one, two,",
+                "return_entropy": True,
+                "sampling_params": {
+                    "max_new_tokens": 16,
+                    "temperature": 0.8,
+                    "ignore_eos": True,
+                    "custom_params": {"entropic": {"target_entropy": 2.0}},
+                },
+            }
+        )
     info = server.get("/server_info").json()
     pt = info["internal_states"][0]["entropic"]["plugin_time"]
     assert pt["steps"] > 0
     hooks = pt["hooks"]
-    for name in ("Scheduler.get_next_batch_to_run:before", "ForwardBatch.init_new:after",
-                 "ModelRunner.sample:around", "Sampler.forward:around", "Scheduler.process_batch_result:before",
-                 "Scheduler.run_batch:before", "SchedulePolicy.calc_priority:after"):
+    for name in (
+        "Scheduler.get_next_batch_to_run:before",
+        "ForwardBatch.init_new:after",
+        "ModelRunner.sample:around",
+        "Sampler.forward:around",
+        "Scheduler.process_batch_result:before",
+        "Scheduler.run_batch:before",
+        "SchedulePolicy.calc_priority:after",
+    ):
         assert name in hooks, sorted(hooks)
     for name in ("ForwardBatch.init_new:after", "Sampler.forward:around", "Scheduler.process_batch_result:before"):
         assert hooks[name]["calls"] >= pt["steps"] and hooks[name]["mean_us_per_step"] > 0

@@ -16,6 +16,7 @@ from programs import agent, chat, extract, fork_join
 from programs._backend import endpoint
 from tests.program_checks import assert_join_chose_the_lowest_mean_surprisal
 
+
 @pytest.fixture(scope="module")
 def backend(server):
     return endpoint(server.url)
@@ -23,8 +24,15 @@ def backend(server):
 
 @pytest.mark.parametrize(
     "expression, expected",
-    [("17*23+4", "395"), ("(120-36)/4", "21"), ("7/2", "3.5"), ("2.5*2", "5"), ("-3*(2+1)", "-9"),
-     ("10 % 4 // 1", "2"), ("99999*99999*99999*99999", "99996000059999600001")],
+    [
+        ("17*23+4", "395"),
+        ("(120-36)/4", "21"),
+        ("7/2", "3.5"),
+        ("2.5*2", "5"),
+        ("-3*(2+1)", "-9"),
+        ("10 % 4 // 1", "2"),
+        ("99999*99999*99999*99999", "99996000059999600001"),
+    ],
 )
 def test_calculator_evaluates_arithmetic(expression, expected):
     assert agent.calculate(expression) == expected

@@ -108,15 +108,18 @@ def test_row_pages_guards_and_budget(cfg, length, entropy):
     else:
         assert r.keep == min(r.candidates, math.ceil(keep_ratio(entropy, cfg) * r.candidates))
         ratio = cfg.shortlist_ratio
-        assert r.shortlist == (r.keep if ratio is None else max(r.keep, min(r.candidates, math.ceil(ratio * r.candidates))))
+        assert r.shortlist == (
+            r.keep if ratio is None else max(r.keep, min(r.candidates, math.ceil(ratio * r.candidates)))
+        )
     assert r.keep <= r.shortlist <= r.candidates
     # dropped pages are whole candidate pages; the partial last page is never dropped
     assert r.kept_tokens == length - (r.candidates - r.keep) * cfg.page_size
 
 
 def test_row_pages_by_hand():
-    cfg = PruningConfig(page_size=16, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.25, max_keep_ratio=0.25,
-                        min_context=1024)
+    cfg = PruningConfig(
+        page_size=16, sink_blocks=1, recent_blocks=2, min_keep_ratio=0.25, max_keep_ratio=0.25, min_context=1024
+    )
     r = row_pages(4000, 1.0, cfg)  # 250 pages: 1 sink, 2 recent, 247 candidates, keep ceil(61.75) = 62
     assert (r.n, r.sink, r.recent, r.candidates, r.keep) == (250, 1, 2, 247, 62)
     assert r.shortlist == 124  # the default shortlist: ceil(0.5 * 247)
@@ -137,8 +140,18 @@ def test_the_bound_by_hand_and_upper_bound():
     got = quest_bounds(q, kmin, kmax, per_head=False)[:, 0]
     for b in range(2):
         for p in range(5):
-            want = sum(max(float(sum(max(q[b, h * 3 + g_, d] * kmax[b, p, h, d], q[b, h * 3 + g_, d] * kmin[b, p, h, d])
-                                     for d in range(8))) for g_ in range(3)) for h in range(2))
+            want = sum(
+                max(
+                    float(
+                        sum(
+                            max(q[b, h * 3 + g_, d] * kmax[b, p, h, d], q[b, h * 3 + g_, d] * kmin[b, p, h, d])
+                            for d in range(8)
+                        )
+                    )
+                    for g_ in range(3)
+                )
+                for h in range(2)
+            )
             assert float(got[b, p]) == pytest.approx(want, rel=1e-5, abs=1e-5)
             # the bound of each KV head is at least every true logit of its query group on the page
             logits = torch.einsum("hgd,thd->hgt", q[b].view(2, 3, 8), keys[b, p])
@@ -166,8 +179,9 @@ def test_surprisal_scores_hand_examples():
 def test_a_step_plan_fixes_the_sink_and_recent_pages_and_masks_the_rest(cfg, lengths, entropy):
     rows = [row_pages(n, entropy, cfg) for n in lengths]
     width = max(r.n for r in rows)
-    table = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(i))[:width]
-                         for i in range(len(rows))])
+    table = torch.stack(
+        [torch.randperm(1000, generator=torch.Generator().manual_seed(i))[:width] for i in range(len(rows))]
+    )
     plan = StepPlan.build(rows, table)
     for b, r in enumerate(rows):
         fixed = list(range(r.sink)) + list(range(r.n - r.recent, r.n))

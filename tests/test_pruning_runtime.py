@@ -77,8 +77,14 @@ def test_a_reused_prefix_is_selected_from(server):
     recomputed): the key, in the cached part, is still found while decode attends a fraction."""
     case = make_cases([3000], [0.5], seed=11)[0]
     first = _generate(server, {"text": case.prompt, "sampling_params": GREEDY, "return_entropy": True})
-    second = _generate(server, {"text": case.prompt + first["text"] + "\nRepeat the pass key. The pass key is",
-                                "sampling_params": GREEDY, "return_entropy": True})
+    second = _generate(
+        server,
+        {
+            "text": case.prompt + first["text"] + "\nRepeat the pass key. The pass key is",
+            "sampling_params": GREEDY,
+            "return_entropy": True,
+        },
+    )
     assert second["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"] - 16
     assert answered_key(first["text"]) == case.key and answered_key(second["text"]) == case.key
     assert _decode_attended(second["meta_info"]) < 0.45

@@ -17,8 +17,16 @@ import torch
 from sgl_entropic.config import SERVER_ONLY, PruningConfig, SamplingConfig, SchedulingConfig, SpeculativeConfig
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature
 from sgl_entropic.signal import entropy_exact
-from tests.load_client import (CHAT, F32, load_spec, nothing_held, run_round, serves, states_after_flush,
-                                 wait_until_nothing_is_held)
+from tests.load_client import (
+    CHAT,
+    F32,
+    load_spec,
+    nothing_held,
+    run_round,
+    serves,
+    states_after_flush,
+    wait_until_nothing_is_held,
+)
 from tests.stepping import Stepper
 
 # ============================================================================ 3. numerical faults
@@ -140,7 +148,11 @@ def test_a_faulty_row_is_recorded_as_defined_and_leaves_its_neighbours_alone(loo
 
 def test_a_batch_of_only_faulty_rows_raises_nothing(loop):
     kinds = ["nan", "pos_inf", "all_neg_inf"]
-    rows = [_req(controller=_controller(1.0)) for _ in kinds] + [_req(mirostat=_mirostat()) for _ in kinds] + [_req() for _ in kinds]
+    rows = (
+        [_req(controller=_controller(1.0)) for _ in kinds]
+        + [_req(mirostat=_mirostat()) for _ in kinds]
+        + [_req() for _ in kinds]
+    )
     faults = [_fault_row(k) for k in kinds] * 3
     logits = torch.stack([f[0] for f in faults])
     _run_step(rows, logits, [1.0] * len(rows), tokens=torch.tensor([f[1] for f in faults]))
@@ -214,7 +226,12 @@ def _limits(model, name):
     lo = hi = None
     lo_open = hi_open = False
     for m in model.model_fields[name].metadata:
-        for attr, is_lo, is_open in (("ge", True, False), ("gt", True, True), ("le", False, False), ("lt", False, True)):
+        for attr, is_lo, is_open in (
+            ("ge", True, False),
+            ("gt", True, True),
+            ("le", False, False),
+            ("lt", False, True),
+        ):
             if getattr(m, attr, None) is not None:
                 if is_lo:
                     lo, lo_open = getattr(m, attr), is_open
@@ -308,7 +325,7 @@ def _assert_refused(r, needle):
     "field, category, value", BAD_FIELD_VALUES, ids=[f"{f}-{c}-{v!r}"[:60] for f, c, v in BAD_FIELD_VALUES]
 )
 def test_bad_field_value_is_http_400_naming_the_field(server, field, category, value):
-    raw = value[len(RAW):] if isinstance(value, str) and value.startswith(RAW) else None
+    raw = value[len(RAW) :] if isinstance(value, str) and value.startswith(RAW) else None
     r = _post_raw(server, _body({field: value}, raw=raw))
     if raw is not None and "JSON decode error" in r.text:
         # SGLang's own JSON parser refuses NaN/Infinity/1e999 before any plugin code runs: a 400 that
@@ -355,11 +372,15 @@ def test_edge_values_inside_the_documented_ranges_are_accepted(server, entropic)
 @pytest.mark.server
 def test_a_bad_streaming_request_gets_an_error_event_naming_the_field(server):
     # SGLang starts the SSE response before validating: status 200, one error event, then [DONE].
-    body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 2, "custom_params": {"entropic": {"eta": -1}}}}
+    body = {
+        "text": "Hi",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2, "custom_params": {"entropic": {"eta": -1}}},
+    }
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == b"data: [DONE]" and len(events) == 2, events
-    error = json.loads(events[0][len(b"data: "):])["error"]
+    error = json.loads(events[0][len(b"data: ") :])["error"]
     assert error["code"] == 400 and "custom_params.entropic.eta" in error["message"]
 
 
@@ -379,17 +400,29 @@ def test_the_bad_input_matrix_covers_every_field_and_category():
     assert set(per_field) == set(SamplingConfig.model_fields)
     for field in NUMERIC:
         assert per_field[field] == {"wrong_type", "out_of_range", "non_finite", "huge"}, field
-    total = (len(BAD_FIELD_VALUES) + len(UNKNOWN_KEYS) + len(NOT_AN_OBJECT) + len(CUSTOM_PARAMS_NOT_AN_OBJECT)
-             + len(INCONSISTENT) + 1)  # + the streaming case
-    print(f"\nbad-input matrix: {total} refused cases ({len(BAD_FIELD_VALUES)} field values), {len(ACCEPTED)} accepted edges")
+    total = (
+        len(BAD_FIELD_VALUES)
+        + len(UNKNOWN_KEYS)
+        + len(NOT_AN_OBJECT)
+        + len(CUSTOM_PARAMS_NOT_AN_OBJECT)
+        + len(INCONSISTENT)
+        + 1
+    )  # + the streaming case
+    print(
+        f"\nbad-input matrix: {total} refused cases ({len(BAD_FIELD_VALUES)} field values), {len(ACCEPTED)} accepted edges"
+    )
 
 
 # ---------------------------------------------------------------------------- the launcher's flags
 # Beyond tests/test_foundation.py's cases: every field of every section, wrong type and past its
 # bounds, plus malformed JSON and files. Each must exit 2 before SGLang (and the model) is touched.
 
-SECTIONS = {"sampling": SamplingConfig, "scheduling": SchedulingConfig, "pruning": PruningConfig,
-            "speculative": SpeculativeConfig}
+SECTIONS = {
+    "sampling": SamplingConfig,
+    "scheduling": SchedulingConfig,
+    "pruning": PruningConfig,
+    "speculative": SpeculativeConfig,
+}
 ALREADY_IN_FOUNDATION = {("sampling", "eta", -1)}
 
 
@@ -439,30 +472,78 @@ def _launcher_cases():
         (["--pipeline-parallel-size", "2"], "--pp-size 2"),
         (["--kv-cache-dtype=fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
         # on CUDA pruning engages under `full` with a min_context (the default two stages never prune there)
-        (["--device", "cuda", "--cuda-graph-backend-prefill", "breakable", "--entropic-config",
-          '{"pruning": {"min_context": 4096}}'], "--cuda-graph-backend-prefill breakable"),
-        (["--device", "cuda", "--page-size", "12", "--entropic-config",
-          '{"pruning": {"page_size": 12, "min_context": 4096}}'], "power of two"),
+        (
+            [
+                "--device",
+                "cuda",
+                "--cuda-graph-backend-prefill",
+                "breakable",
+                "--entropic-config",
+                '{"pruning": {"min_context": 4096}}',
+            ],
+            "--cuda-graph-backend-prefill breakable",
+        ),
+        (
+            [
+                "--device",
+                "cuda",
+                "--page-size",
+                "12",
+                "--entropic-config",
+                '{"pruning": {"page_size": 12, "min_context": 4096}}',
+            ],
+            "power of two",
+        ),
         (["--entropic-config", '{"pruning": {"engaged": false}}'], "pruning.engaged is set by the launcher"),
         # speculative decoding: only what the plugin verifies exactly (server_args.speculative_args)
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE"),
         (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
         (["--speculative-algorithm", "NGRAM", "--speculative-adaptive"], "--speculative-adaptive"),
-        (["--speculative-algorithm", "NGRAM", "--speculative-accept-threshold-single", "0.5"],
-         "--speculative-accept-threshold-single 0.5"),
-        (["--speculative-algorithm", "NGRAM", "--speculative-use-rejection-sampling"],
-         "--speculative-use-rejection-sampling"),
-        (["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "3"],
-         "--speculative-ngram-max-bfs-breadth 3"),  # full prunes: KV pages of 16 tokens take chains only
-        (["--entropic", "sampling", "--speculative-algorithm", "NGRAM", "--attention-backend", "torch_native",
-          "--device", "cpu"], "--attention-backend torch_native"),
-        (["--speculative-algorithm", "NGRAM", "--tp-size", "2", "--entropic-config",
-          '{"speculative": {"draft": "entropy"}}'], "--tp-size 2"),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-accept-threshold-single", "0.5"],
+            "--speculative-accept-threshold-single 0.5",
+        ),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-use-rejection-sampling"],
+            "--speculative-use-rejection-sampling",
+        ),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "3"],
+            "--speculative-ngram-max-bfs-breadth 3",
+        ),  # full prunes: KV pages of 16 tokens take chains only
+        (
+            [
+                "--entropic",
+                "sampling",
+                "--speculative-algorithm",
+                "NGRAM",
+                "--attention-backend",
+                "torch_native",
+                "--device",
+                "cpu",
+            ],
+            "--attention-backend torch_native",
+        ),
+        (
+            [
+                "--speculative-algorithm",
+                "NGRAM",
+                "--tp-size",
+                "2",
+                "--entropic-config",
+                '{"speculative": {"draft": "entropy"}}',
+            ],
+            "--tp-size 2",
+        ),
         (["--speculative-algorithm", "NGRAM", "--pp-size", "2"], "--pp-size 2"),
-        (["--speculative-algorithm", "NGRAM", "--entropic-config", '{"sampling": {"controller": "mirostat_v2"}}'],
-         "mirostat_v2"),
-        (["--speculative-algorithm", "NGRAM", "--entropic-config", '{"pruning": {"selector": "surprisal"}}'],
-         "pruning.selector"),
+        (
+            ["--speculative-algorithm", "NGRAM", "--entropic-config", '{"sampling": {"controller": "mirostat_v2"}}'],
+            "mirostat_v2",
+        ),
+        (
+            ["--speculative-algorithm", "NGRAM", "--entropic-config", '{"pruning": {"selector": "surprisal"}}'],
+            "pruning.selector",
+        ),
         (["--entropic-config", '{"speculative": {"algorithm": "NGRAM"}}'], "speculative.algorithm"),
         (["--entropic-config", '{"speculative": {"draft": "longest"}}'], "speculative.draft"),
     ]
@@ -523,6 +604,7 @@ def test_launcher_refuses_a_directory_as_config_file(tmp_path, capsys):
 
 # ============================================================================ 3. faults on the real server
 
+
 def _generate(server, text, params, **extra):
     return server.generate({"text": text, "sampling_params": params, "return_entropy": True, **extra})
 
@@ -532,7 +614,11 @@ def test_a_regex_that_forces_every_token_gives_zero_entropy_and_holds_the_temper
     # "12345": this tokenizer splits digits, so each step has exactly one allowed token, then EOS.
     # ("yes" is not forced: y / ye / yes are three tokenizations.)
     entropic = {"t_min": 0.3, "t_max": 1.5, "t_init": 1.2, "warmup": 0, "target_entropy": 2.0}
-    out = _generate(server, CHAT.format("Count to five."), {"max_new_tokens": 16, "regex": "12345", "custom_params": {"entropic": entropic}})
+    out = _generate(
+        server,
+        CHAT.format("Count to five."),
+        {"max_new_tokens": 16, "regex": "12345", "custom_params": {"entropic": entropic}},
+    )
     meta = out["meta_info"]
     assert out["text"] == "12345" and meta["finish_reason"]["type"] == "stop"
     assert len(meta["entropy"]) == len(meta["temperature"]) == meta["completion_tokens"] == 6
@@ -544,7 +630,11 @@ def test_a_regex_that_forces_every_token_gives_zero_entropy_and_holds_the_temper
 @pytest.mark.server
 def test_a_partly_forced_regex_stays_within_the_temperature_bounds(server):
     entropic = {"t_min": 0.3, "t_max": 1.5, "t_init": 1.0, "warmup": 0, "target_entropy": 3.0, "eta": 2.0}
-    out = _generate(server, CHAT.format("Pick a number."), {"max_new_tokens": 16, "regex": "[0-9]{3}(yes|no)", "custom_params": {"entropic": entropic}})
+    out = _generate(
+        server,
+        CHAT.format("Pick a number."),
+        {"max_new_tokens": 16, "regex": "[0-9]{3}(yes|no)", "custom_params": {"entropic": entropic}},
+    )
     meta = out["meta_info"]
     assert meta["finish_reason"]["type"] == "stop" and len(meta["temperature"]) == meta["completion_tokens"]
     assert all(F32(0.3) <= t <= F32(1.5) for t in meta["temperature"]), meta["temperature"]
@@ -554,7 +644,11 @@ def test_a_partly_forced_regex_stays_within_the_temperature_bounds(server):
 @pytest.mark.server
 def test_pinned_bounds_give_a_constant_temperature_trace(server):
     entropic = {"t_min": 0.8, "t_max": 0.8, "t_init": 0.8, "eta": 10, "warmup": 0, "target_entropy": 0.5}
-    out = _generate(server, CHAT.format("Write a poem about rain."), {"max_new_tokens": 16, "ignore_eos": True, "custom_params": {"entropic": entropic}})
+    out = _generate(
+        server,
+        CHAT.format("Write a poem about rain."),
+        {"max_new_tokens": 16, "ignore_eos": True, "custom_params": {"entropic": entropic}},
+    )
     temps = out["meta_info"]["temperature"]
     assert temps == [F32(0.8)] * 16
 
@@ -563,7 +657,11 @@ def test_pinned_bounds_give_a_constant_temperature_trace(server):
 @pytest.mark.parametrize("target, bound", [(0.0, 0.25), (20.0, 1.5)])
 def test_a_controller_driven_past_a_bound_is_clipped_on_the_server(server, target, bound):
     entropic = {"t_min": 0.25, "t_max": 1.5, "t_init": 1.0, "eta": 10, "warmup": 0, "target_entropy": target}
-    out = _generate(server, CHAT.format("Tell me about the sea."), {"max_new_tokens": 12, "ignore_eos": True, "custom_params": {"entropic": entropic}})
+    out = _generate(
+        server,
+        CHAT.format("Tell me about the sea."),
+        {"max_new_tokens": 12, "ignore_eos": True, "custom_params": {"entropic": entropic}},
+    )
     temps = out["meta_info"]["temperature"]
     assert all(F32(0.25) <= t <= F32(1.5) for t in temps), temps
     assert temps[-1] == F32(bound), temps
@@ -595,17 +693,34 @@ def test_every_entropic_feature_works_without_custom_logit_processors(server):
 
     r = server.post(
         "/generate",
-        {"text": "Hi", "custom_logit_processor": DisallowedTokensLogitsProcessor().to_str(),
-         "sampling_params": {"max_new_tokens": 2, "custom_params": {"token_ids": [29]}}},
+        {
+            "text": "Hi",
+            "custom_logit_processor": DisallowedTokensLogitsProcessor().to_str(),
+            "sampling_params": {"max_new_tokens": 2, "custom_params": {"token_ids": [29]}},
+        },
     )
     assert r.status_code == 400 and "custom logit processor" in r.text, r.text
 
     # ... while the controller, Mirostat v2 and the traces are plain JSON on the same server.
     prompt = CHAT.format("Describe a forest.")
-    ctrl = _generate(server, prompt, {"max_new_tokens": 12, "ignore_eos": True,
-                                      "custom_params": {"entropic": {"target_entropy": 1.0, "eta": 0.3, "t_min": 0.3, "t_max": 1.7}}})
-    miro = _generate(server, prompt, {"max_new_tokens": 12, "ignore_eos": True,
-                                      "custom_params": {"entropic": {"controller": "mirostat_v2", "tau": 2.0}}})
+    ctrl = _generate(
+        server,
+        prompt,
+        {
+            "max_new_tokens": 12,
+            "ignore_eos": True,
+            "custom_params": {"entropic": {"target_entropy": 1.0, "eta": 0.3, "t_min": 0.3, "t_max": 1.7}},
+        },
+    )
+    miro = _generate(
+        server,
+        prompt,
+        {
+            "max_new_tokens": 12,
+            "ignore_eos": True,
+            "custom_params": {"entropic": {"controller": "mirostat_v2", "tau": 2.0}},
+        },
+    )
     for out in (ctrl, miro):
         meta = out["meta_info"]
         assert len(meta["entropy"]) == len(meta["surprisal"]) == len(meta["temperature"]) == 12
@@ -625,10 +740,15 @@ LOAD_ROUNDS = 2
 # 100 in flight at once per round: 200 requests in all, 50 of them aborted, ~30 s a round on an idle
 # 2-core machine. SGLANG_ENTROPIC_LOAD_PER_ROUND=200 puts 200 in flight at once.
 LOAD_PER_ROUND = int(os.environ.get("SGLANG_ENTROPIC_LOAD_PER_ROUND", "100"))
-PLUGIN_FAULT_LINES = ("sgl-entropic: sampling step setup failed", "sgl-entropic: recording the sampling step failed",
-                      "sgl-entropic: verification under the controller failed",
-                      "sgl-entropic: recording the verify step failed",
-                      "sgl-entropic: decode budget failed", "Scheduler hit an exception", "Traceback")
+PLUGIN_FAULT_LINES = (
+    "sgl-entropic: sampling step setup failed",
+    "sgl-entropic: recording the sampling step failed",
+    "sgl-entropic: verification under the controller failed",
+    "sgl-entropic: recording the verify step failed",
+    "sgl-entropic: decode budget failed",
+    "Scheduler hit an exception",
+    "Traceback",
+)
 
 
 def test_a_finished_request_an_emptied_running_batch_still_names_is_the_schedulers_not_a_leak():
@@ -638,8 +758,14 @@ def test_a_finished_request_an_emptied_running_batch_still_names_is_the_schedule
     from sgl_entropic.plugin.server_info import _requests_held_by
 
     stale, waiting, gone = (SimpleNamespace(rid=rid) for rid in ("stale", "waiting", "gone"))
-    scheduler = SimpleNamespace(waiting_queue=[waiting], chunked_req=None, last_batch=None, cur_batch_for_debug=None,
-                                running_batch=SimpleNamespace(reqs=[], chunked_req=stale), batch_record_buf=[None, None])
+    scheduler = SimpleNamespace(
+        waiting_queue=[waiting],
+        chunked_req=None,
+        last_batch=None,
+        cur_batch_for_debug=None,
+        running_batch=SimpleNamespace(reqs=[], chunked_req=stale),
+        batch_record_buf=[None, None],
+    )
     held = _requests_held_by(scheduler)
     assert any(r is stale for r in held) and any(r is waiting for r in held)
     assert not any(r is gone for r in held)
@@ -668,8 +794,16 @@ def test_load_with_client_aborts_completes_everything_else_and_frees_everything(
         after_flush = states_after_flush(server) if healthy else None
         counts = {k: sum(1 for o, _ in results if o == k) for k in ("completed", "aborted", "lost")}
         lost_details += [(spec["i"], d) for spec, (o, d) in zip(specs, results) if o == "lost"]
-        report["rounds"].append({"sent": len(specs), **counts, "wall_s": round(wall, 1), "held_after": held,
-                                 "after_flush": after_flush, "healthy_after": healthy})
+        report["rounds"].append(
+            {
+                "sent": len(specs),
+                **counts,
+                "wall_s": round(wall, 1),
+                "held_after": held,
+                "after_flush": after_flush,
+                "healthy_after": healthy,
+            }
+        )
         report["sent"] += len(specs)
         for k in counts:
             report[k] += counts[k]
@@ -699,6 +833,10 @@ def test_load_with_client_aborts_completes_everything_else_and_frees_everything(
         flushed = rnd["after_flush"]
         assert flushed["live_request_states"] <= 2 and flushed["leaked_request_states"] == 0, rnd
     # and the server still does ordinary work
-    out = server.generate({"text": CHAT.format("Say hi."), "sampling_params": {"max_new_tokens": 6, "ignore_eos": True,
-                           "custom_params": {"entropic": {}}}})
+    out = server.generate(
+        {
+            "text": CHAT.format("Say hi."),
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "custom_params": {"entropic": {}}},
+        }
+    )
     assert out["meta_info"]["completion_tokens"] == 6

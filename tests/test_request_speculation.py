@@ -13,15 +13,18 @@ from sgl_entropic.speculative import DraftSizer, StepCosts, capped_candidates, f
 PREFIX = "custom_params.entropic.speculative"
 
 
-@pytest.mark.parametrize("value, field", [
-    ({"draft": "sometimes"}, "draft"),
-    ({"draft": "acceptance"}, "draft"),  # the server's EMA over every request: not a request's rule
-    ({"max_draft_tokens": -1}, "max_draft_tokens"),
-    ({"max_draft_tokens": 2.5}, "max_draft_tokens"),
-    ({"max_draft_tokens": True}, "max_draft_tokens"),
-    ({"max_draft_tokens": 12}, "max_draft_tokens"),  # the server verifies at most 11 drafts a step
-    ({"width": 3}, "width"),
-])
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"draft": "sometimes"}, "draft"),
+        ({"draft": "acceptance"}, "draft"),  # the server's EMA over every request: not a request's rule
+        ({"max_draft_tokens": -1}, "max_draft_tokens"),
+        ({"max_draft_tokens": 2.5}, "max_draft_tokens"),
+        ({"max_draft_tokens": True}, "max_draft_tokens"),
+        ({"max_draft_tokens": 12}, "max_draft_tokens"),  # the server verifies at most 11 drafts a step
+        ({"width": 3}, "width"),
+    ],
+)
 def test_a_bad_setting_is_an_error_naming_its_field(value, field):
     with pytest.raises(ValueError, match=f"{PREFIX}.{field}"):
         request_speculation(value, max_drafts=11, entropy_rule=True)
@@ -41,8 +44,9 @@ def test_what_a_server_cannot_give_is_refused_and_what_it_can_is_kept():
 
 def costs(t0: float = 0.1, t_token: float = 0.02) -> StepCosts:
     tokens = (1, 2, 4, 8, 16, 32, 64)
-    return StepCosts(tokens, tuple(t0 + t_token * (n - 1) for n in tokens), (256, 1024, 4096), (1, 12),
-                     ((0.0,) * 3, (0.0,) * 3))
+    return StepCosts(
+        tokens, tuple(t0 + t_token * (n - 1) for n in tokens), (256, 1024, 4096), (1, 12), ((0.0,) * 3, (0.0,) * 3)
+    )
 
 
 def test_rows_that_opt_out_never_widen_a_step_and_rows_on_the_server_s_rule_size_it_as_before():
@@ -71,8 +75,16 @@ def verified(tokens: torch.Tensor, target: torch.Tensor, caps=None) -> list[int]
     mask = torch.tril(torch.ones(width, width, dtype=torch.long))
     positions = torch.empty(rows * width, dtype=torch.long)
     index, first, sibling = (torch.empty(rows, width, dtype=torch.long) for _ in range(3))
-    reconstruct_indices_from_tree_mask(mask.repeat(rows, 1, 1).flatten(), torch.zeros(rows, dtype=torch.long),
-                                       positions, index, first, sibling, rows, width)
+    reconstruct_indices_from_tree_mask(
+        mask.repeat(rows, 1, 1).flatten(),
+        torch.zeros(rows, dtype=torch.long),
+        positions,
+        index,
+        first,
+        sibling,
+        rows,
+        width,
+    )
     candidates = tokens if caps is None else capped_candidates(tokens, caps)
     predict = torch.zeros(rows * width, dtype=torch.long)
     accept = torch.full((rows, width), -1, dtype=torch.long)
@@ -101,8 +113,15 @@ def test_a_request_s_counts_and_per_token_draft_flags_follow_its_traces():
     source = [None, "trie", None, None, None, "corpus", None]
     assert from_drafts(drafted, accepted) == [False, True, True, False, False, True, False]
     assert request_summary(offered, drafted, accepted, source) == {
-        "decode_steps": 3, "verify_steps": 2, "drafts_offered": 10, "drafts_verified": 4, "drafts_accepted": 3,
-        "accepted_per_verify": 1.5, "corpus_verify_steps": 1, "corpus_drafts_accepted": 1}
+        "decode_steps": 3,
+        "verify_steps": 2,
+        "drafts_offered": 10,
+        "drafts_verified": 4,
+        "drafts_accepted": 3,
+        "accepted_per_verify": 1.5,
+        "corpus_verify_steps": 1,
+        "corpus_drafts_accepted": 1,
+    }
 
 
 def test_a_request_drafts_from_a_corpus_where_its_trie_offers_nothing_or_the_corpus_guesses_better():
@@ -128,12 +147,15 @@ def test_a_row_s_context_is_the_tail_of_its_whole_token_list(overlap):
     from sgl_entropic.plugin.drafts import contexts_of
 
     depth, stride = 18, 4
-    rows = [(array.array("q", range(100, 100 + n)), list(range(7, 7 + k)), a)
-            for n, k, a in ((3000, 0, 1), (5, 3, 2), (40, 30, 1), (2, 0, 3))]
+    rows = [
+        (array.array("q", range(100, 100 + n)), list(range(7, 7 + k)), a)
+        for n, k, a in ((3000, 0, 1), (5, 3, 2), (40, 30, 1), (2, 0, 3))
+    ]
     reqs = [SimpleNamespace(origin_input_ids_unpadded=p, output_ids=o) for p, o, _ in rows]
     accepted = [[900 + i * 10 + j for j in range(stride)] for i in range(len(rows))]
-    info = SimpleNamespace(accept_tokens=torch.tensor(sum(accepted, [])),
-                           accept_lens=torch.tensor([a for *_, a in rows]))
+    info = SimpleNamespace(
+        accept_tokens=torch.tensor(sum(accepted, [])), accept_lens=torch.tensor([a for *_, a in rows])
+    )
     batch = SimpleNamespace(reqs=reqs, spec_info=info, grammar_needs_sync=lambda: False)
     worker = SimpleNamespace(enable_overlap=overlap, speculative_num_draft_tokens=stride)
     contexts = contexts_of(worker, batch, depth, whole={1})
@@ -154,11 +176,20 @@ def test_a_batch_mixing_opted_out_rows_with_drafting_ones_gets_one_tree_each():
     from sgl_entropic.speculative import offered_drafts
 
     width, depth = 6, 18
-    args = SimpleNamespace(speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=1,
-                           speculative_ngram_match_type="BFS", speculative_ngram_external_sam_budget=0)
-    worker = SimpleNamespace(server_args=args, max_trie_depth=depth, speculative_num_draft_tokens=width,
-                             enable_overlap=False, list_external_corpora=lambda: {},
-                             ngram_corpus=NgramCorpus(max_trie_depth=depth, draft_token_num=width, capacity=1000))
+    args = SimpleNamespace(
+        speculative_ngram_min_bfs_breadth=1,
+        speculative_ngram_max_bfs_breadth=1,
+        speculative_ngram_match_type="BFS",
+        speculative_ngram_external_sam_budget=0,
+    )
+    worker = SimpleNamespace(
+        server_args=args,
+        max_trie_depth=depth,
+        speculative_num_draft_tokens=width,
+        enable_overlap=False,
+        list_external_corpora=lambda: {},
+        ngram_corpus=NgramCorpus(max_trie_depth=depth, draft_token_num=width, capacity=1000),
+    )
     text = [5, 6, 7, 8, 9, 10, 11, 12] * 4  # a repeated phrase: its own trie drafts its continuation
     reqs = [SimpleNamespace(rid=f"r{i}", origin_input_ids_unpadded=text, output_ids=[5, 6, 7]) for i in range(3)]
     batch = SimpleNamespace(reqs=reqs, grammar_needs_sync=lambda: False)

@@ -43,12 +43,25 @@ TOKENS = 6
 T_MIN, T_MAX = 0.3, 0.6
 R_MIN, R_MAX = 1.1, 1.4
 # the crossovers given: pruning is not under test here, so nothing is timed at start-up
-WORKER_CONFIG = {"sampling": {"target_entropy": 1.5, "t_min": T_MIN, "t_max": T_MAX, "t_init": 0.5,
-                              "every_request": True}, "pruning": PRUNING}
+WORKER_CONFIG = {
+    "sampling": {"target_entropy": 1.5, "t_min": T_MIN, "t_max": T_MAX, "t_init": 0.5, "every_request": True},
+    "pruning": PRUNING,
+}
 CONTROLLER = {"entropic": {"target_entropy": 1.5, "t_min": R_MIN, "t_max": R_MAX, "t_init": 1.2}}
 # A small KV pool each (the launcher's default, 65536 fp32 tokens, is ~3 GB).
-WORKER_CMD = [sys.executable, "-m", "sgl_entropic.launch_server", "--entropic", "full", "--max-total-tokens", "16384",
-              "--entropic-config", json.dumps(WORKER_CONFIG), "--enable-metrics", *COMMON_ARGS]
+WORKER_CMD = [
+    sys.executable,
+    "-m",
+    "sgl_entropic.launch_server",
+    "--entropic",
+    "full",
+    "--max-total-tokens",
+    "16384",
+    "--entropic-config",
+    json.dumps(WORKER_CONFIG),
+    "--enable-metrics",
+    *COMMON_ARGS,
+]
 
 
 class Cluster:
@@ -71,15 +84,32 @@ def cluster(tmp_path_factory):
     workers, router = [], None
     try:
         with ThreadPoolExecutor(WORKERS) as pool:  # side by side: most of a start is Python importing
-            starts = [pool.submit(start_server, WORKER_CMD, logs / f"worker-{i}.log", timeout_s=600)
-                      for i in range(WORKERS)]
+            starts = [
+                pool.submit(start_server, WORKER_CMD, logs / f"worker-{i}.log", timeout_s=600) for i in range(WORKERS)
+            ]
             for start in starts:
                 workers.append(start.result())
         metrics_port = int(workers[0].url.rsplit(":", 1)[1]) + 1000  # smg's default 29000 may be taken
-        router = start_server([sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1",
-                               "--worker-urls", *(w.url for w in workers), "--policy", "cache_aware",
-                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
-                              logs / "router.log", timeout_s=600)
+        router = start_server(
+            [
+                sys.executable,
+                "-m",
+                "smg",
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--worker-urls",
+                *(w.url for w in workers),
+                "--policy",
+                "cache_aware",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(metrics_port),
+            ],
+            logs / "router.log",
+            timeout_s=600,
+        )
         _wait_for_workers(router)
         yield Cluster(router, workers)
     finally:
@@ -103,8 +133,13 @@ def _body(endpoint: str, model: str, prompt: str, controller: dict | None = None
         if controller is not None:
             params["custom_params"] = controller
         return {"text": CHAT.format(prompt), "sampling_params": params, "return_entropy": True}
-    body = {"model": model, "max_tokens": TOKENS, "temperature": temperature, "ignore_eos": True,
-            "return_entropy": True}
+    body = {
+        "model": model,
+        "max_tokens": TOKENS,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "return_entropy": True,
+    }
     if endpoint == "/v1/completions":
         body["prompt"] = CHAT.format(prompt)
     else:
@@ -120,7 +155,7 @@ def _stream(srv, path: str, body: dict) -> list[dict]:
         assert r.status_code == 200, r.text
         lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
     assert lines[-1] == "data: [DONE]", lines[-3:]
-    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    return [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
 
 
 def _trace(srv, endpoint: str, body: dict, stream: bool) -> dict:
@@ -169,7 +204,7 @@ def _answer(srv, endpoint: str, body: dict, stream: bool) -> tuple[int, dict]:
     with requests.post(srv.url + endpoint, json={**body, "stream": stream}, stream=stream, timeout=300) as r:
         text = r.text
     if text.startswith("data: "):
-        text = text.splitlines()[0][len("data: "):]
+        text = text.splitlines()[0][len("data: ") :]
     return r.status_code, json.loads(text)
 
 
@@ -227,12 +262,32 @@ def _router_spec(i: int, model: str) -> dict:
     if i % 2 == 0:  # /generate, in the shape tests/test_reliability.py checks
         greedy = i % 5 == 0
         params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0 if greedy else 0.8}
-        return {"i": i, "abort": abort, "stream": abort or i % 4 == 0, "entropic": "off", "greedy": greedy,
-                "json": False, "endpoint": "/generate",
-                "body": {"text": CHAT.format(prompt), "sampling_params": params, "return_entropy": True}}
-    return {"i": i, "abort": abort, "stream": abort or i % 4 == 1, "endpoint": "/v1/completions", "tokens": tokens,
-            "body": {"model": model, "prompt": CHAT.format(prompt), "max_tokens": tokens, "temperature": 0.8,
-                     "ignore_eos": True, "return_entropy": True, "custom_params": CONTROLLER}}
+        return {
+            "i": i,
+            "abort": abort,
+            "stream": abort or i % 4 == 0,
+            "entropic": "off",
+            "greedy": greedy,
+            "json": False,
+            "endpoint": "/generate",
+            "body": {"text": CHAT.format(prompt), "sampling_params": params, "return_entropy": True},
+        }
+    return {
+        "i": i,
+        "abort": abort,
+        "stream": abort or i % 4 == 1,
+        "endpoint": "/v1/completions",
+        "tokens": tokens,
+        "body": {
+            "model": model,
+            "prompt": CHAT.format(prompt),
+            "max_tokens": tokens,
+            "temperature": 0.8,
+            "ignore_eos": True,
+            "return_entropy": True,
+            "custom_params": CONTROLLER,
+        },
+    }
 
 
 def _completion_problem(spec: dict, out: dict) -> str | None:
@@ -288,8 +343,12 @@ async def _burst(url: str, specs: list[dict]) -> list[tuple[str, str]]:
 
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
-        return await asyncio.gather(*(
-            send(session, url, s) if s["endpoint"] == "/generate" else _send_completion(session, url, s) for s in specs))
+        return await asyncio.gather(
+            *(
+                send(session, url, s) if s["endpoint"] == "/generate" else _send_completion(session, url, s)
+                for s in specs
+            )
+        )
 
 
 def _wait_until_nothing_is_held(cluster, timeout_s: float = 180.0) -> list[dict]:
@@ -313,8 +372,13 @@ def test_load_through_the_router_loses_nothing_and_every_worker_frees_everything
     per_worker = [a - b for a, b in zip(cluster.admitted(), before)]
     counts = {k: sum(1 for o, _ in results if o == k) for k in ("completed", "aborted", "lost")}
     lost = [(s["i"], s["endpoint"], d) for s, (o, d) in zip(specs, results) if o == "lost"]
-    report = {"sent": len(specs), **counts, "wall_s": round(wall, 1), "admitted_per_worker": per_worker,
-              "held_after": [{k: s[k] for k in ("kv_tokens_in_use", "request_slots_in_use")} for s in held]}
+    report = {
+        "sent": len(specs),
+        **counts,
+        "wall_s": round(wall, 1),
+        "admitted_per_worker": per_worker,
+        "held_after": [{k: s[k] for k in ("kv_tokens_in_use", "request_slots_in_use")} for s in held],
+    }
     print("\ngateway load:", json.dumps(report))
     if os.environ.get("SGLANG_ENTROPIC_ROUTER_REPORT"):
         with open(os.environ["SGLANG_ENTROPIC_ROUTER_REPORT"], "w") as f:
@@ -325,4 +389,3 @@ def test_load_through_the_router_loses_nothing_and_every_worker_frees_everything
     assert all(nothing_held(s) for s in held), report
     assert all(n > 0 for n in per_worker), report  # both workers served
     assert sum(per_worker) >= len(specs), report
-

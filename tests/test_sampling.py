@@ -494,14 +494,16 @@ def test_mirostat_matches_llama_cpp_reference():
     surprise = -torch.log_softmax(logits.double(), -1) / math.log(2)
     srt = surprise.sort(-1).values
     # mu between two surprises (never on a threshold), plus below-all and above-all
-    mu = torch.stack([
-        0.5 * (srt[0, 0] + srt[0, 1]) - 5.0,
-        0.5 * (srt[1, 3] + srt[1, 4]),
-        0.5 * (srt[2, 10] + srt[2, 11]),
-        0.5 * (srt[3, 30] + srt[3, 31]),
-        0.5 * (srt[4, 62] + srt[4, 63]),
-        srt[5, -1] + 1.0,
-    ]).float()
+    mu = torch.stack(
+        [
+            0.5 * (srt[0, 0] + srt[0, 1]) - 5.0,
+            0.5 * (srt[1, 3] + srt[1, 4]),
+            0.5 * (srt[2, 10] + srt[2, 11]),
+            0.5 * (srt[3, 30] + srt[3, 31]),
+            0.5 * (srt[4, 62] + srt[4, 63]),
+            srt[5, -1] + 1.0,
+        ]
+    ).float()
     masked = mirostat_v2_mask(logits, mu)
     tau, eta = 3.0, 0.1
     probs_all = torch.softmax(masked.double(), -1)

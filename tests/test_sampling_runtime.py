@@ -63,7 +63,9 @@ def test_temperature_comes_from_the_same_steps_logits(server, hf_model):
     assert temps[0] == 1.0  # warm-up step
     for t in range(1, len(out_ids)):
         probe = entropy_exact(steps[t : t + 1] / temps[t - 1]).item()
-        expected = temps[t - 1] if probe < floor else min(2.0, max(0.2, temps[t - 1] * math.exp(-eta * (probe - target))))
+        expected = (
+            temps[t - 1] if probe < floor else min(2.0, max(0.2, temps[t - 1] * math.exp(-eta * (probe - target))))
+        )
         assert temps[t] == pytest.approx(expected, rel=2e-3), t
     for t in range(len(out_ids)):
         assert served_h[t] == pytest.approx(entropy_exact(steps[t : t + 1] / temps[t]).item(), abs=2e-3), t
@@ -129,7 +131,9 @@ def test_mirostat_v2_is_selectable_per_request(server):
     ],
 )
 def test_bad_parameters_are_http_400_and_the_server_keeps_serving(server, entropic, needle):
-    r = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"entropic": entropic}}})
+    r = server.post(
+        "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"entropic": entropic}}}
+    )
     assert r.status_code == 400, r.text
     assert needle in r.text
     assert server.get("/health").status_code == 200
@@ -148,9 +152,13 @@ def test_openai_endpoints_take_the_same_object_via_extra_body(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello."}]}),
         ("/v1/completions", {"prompt": "Say hello."}),
     ):
-        ok = server.post(path, {"model": "default", "max_tokens": 8, **body, "custom_params": {"entropic": {"target_entropy": 1.0}}})
+        ok = server.post(
+            path, {"model": "default", "max_tokens": 8, **body, "custom_params": {"entropic": {"target_entropy": 1.0}}}
+        )
         assert ok.status_code == 200, ok.text
-        bad = server.post(path, {"model": "default", "max_tokens": 8, **body, "custom_params": {"entropic": {"eta": 0}}})
+        bad = server.post(
+            path, {"model": "default", "max_tokens": 8, **body, "custom_params": {"entropic": {"eta": 0}}}
+        )
         assert bad.status_code == 400 and "custom_params.entropic.eta" in bad.text
 
 
@@ -162,7 +170,10 @@ def test_requests_without_entropic_parameters_are_identical_to_stock(server, sto
     with cf.ThreadPoolExecutor(2) as pool:
         controlled = pool.submit(
             server.generate,
-            {"text": chat(QUESTIONS[2]), "sampling_params": {"max_new_tokens": 24, "custom_params": {"entropic": {"target_entropy": 3.0}}}},
+            {
+                "text": chat(QUESTIONS[2]),
+                "sampling_params": {"max_new_tokens": 24, "custom_params": {"entropic": {"target_entropy": 3.0}}},
+            },
         )
         ours = pool.submit(server.generate, payload)
         controlled.result()

@@ -31,8 +31,9 @@ def test_only_entropic_rows_are_touched():
 
     assert torch.equal(logits[0], original[0]) and torch.equal(logits[3], original[3])
     # the controlled row: T_new from this step's own logits, independently recomputed
-    expected_t = update_temperature(torch.tensor([0.8]), entropy(original[1:2], torch.tensor([0.8])), 1.0, 0.5,
-                                    0.1, 2.0, 0.05, 0, 0)
+    expected_t = update_temperature(
+        torch.tensor([0.8]), entropy(original[1:2], torch.tensor([0.8])), 1.0, 0.5, 0.1, 2.0, 0.05, 0, 0
+    )
     new_t = float(expected_t)
     assert new_t != pytest.approx(0.8)
     torch.testing.assert_close(logits[1], original[1] * (0.8 / new_t))  # the sampler then divides by 0.8
@@ -129,9 +130,14 @@ def test_a_step_never_waits_for_the_device_and_hands_its_values_over_once():
     SGLang processes the batch's result, so the overlap scheduler is not held up."""
     s = Stepper()
     cfg = SamplingConfig(target_entropy=1.0, warmup=0)
-    reqs = [s.req(controller=ControllerState.from_config(cfg, 0.8)) if i % 3 == 1 else
-            s.req(mirostat=MirostatState.from_config(SamplingConfig(controller="mirostat_v2", tau=2.0))) if i % 3 == 2
-            else s.req() for i in range(8)]
+    reqs = [
+        s.req(controller=ControllerState.from_config(cfg, 0.8))
+        if i % 3 == 1
+        else s.req(mirostat=MirostatState.from_config(SamplingConfig(controller="mirostat_v2", tau=2.0)))
+        if i % 3 == 2
+        else s.req()
+        for i in range(8)
+    ]
     for step_no in range(3):  # the first steps too, and a warmed-up one
         logits = torch.randn(8, 50)
         with HostReads() as mode:
@@ -175,8 +181,12 @@ def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_co
         r.output_ids = []
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)) * 3
     given = logits.clone()
-    info = SimpleNamespace(temperatures=torch.ones(2, 1), top_ks=torch.tensor([1, 1] if greedy else [64, 64]),
-                           is_all_greedy=greedy, has_custom_logit_processor=False)
+    info = SimpleNamespace(
+        temperatures=torch.ones(2, 1),
+        top_ks=torch.tensor([1, 1] if greedy else [64, 64]),
+        is_all_greedy=greedy,
+        has_custom_logit_processor=False,
+    )
     assert sampling_step.keeps_logits(info, 1.0 / info.temperatures.view(-1)) == greedy
 
     def sampler(_sampler, out, _info, *args, **kwargs):
@@ -186,8 +196,9 @@ def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_co
         return tokens
 
     rt.rows = sampling_step.BatchRows.of(reqs, [True, True])
-    rt.forward_batch = SimpleNamespace(req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
-                                       seq_lens_cpu=torch.tensor([10, 10]))
+    rt.forward_batch = SimpleNamespace(
+        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]), seq_lens_cpu=torch.tensor([10, 10])
+    )
     tokens = sampling_step.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
     sampling_step.finish_pending(rt)
     dist = torch.distributions.Categorical(logits=given.double())

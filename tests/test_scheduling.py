@@ -32,8 +32,9 @@ FAST_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 def view(rid="r", seq=0, age=0.0, work=1.0, pages=0, gain=1.0, skips=0, tier=0) -> RequestView:
-    return RequestView(rid=rid, arrival_seq=seq, age=age, work=work, expected_gain=gain, kv_pages=pages, skips=skips,
-                       tier=tier)
+    return RequestView(
+        rid=rid, arrival_seq=seq, age=age, work=work, expected_gain=gain, kv_pages=pages, skips=skips, tier=tier
+    )
 
 
 def rids(views, order):
@@ -144,8 +145,11 @@ def test_overdue_requests_go_first_fifo_regardless_of_priority():
 
 
 def test_user_priority_tiers_come_before_everything_else():
-    vs = [view("low_overdue", 0, age=1e9, tier=5), view("high_costly", 1, work=1e6, tier=-5),
-          view("low_cheap", 2, work=0.1, tier=5)]
+    vs = [
+        view("low_overdue", 0, age=1e9, tier=5),
+        view("high_costly", 1, work=1e6, tier=-5),
+        view("low_cheap", 2, work=0.1, tier=5),
+    ]
     assert rids(vs, order_waiting(vs, FAST, SCALES)) == ["high_costly", "low_overdue", "low_cheap"]
 
 

@@ -37,9 +37,16 @@ def simulate(arrivals: list[list[tuple[int, int]]], slots: int, steps: int, cfg=
             waiting.append(job)
             jobs.append(job)
         if waiting and len(running) < slots:
-            views = [RequestView(rid=j.rid, arrival_seq=j.seq, age=clock - j.arrival_work,
-                                 work=remaining_work(j.prompt, j.output, cfg), expected_gain=cfg.max_gain)
-                     for j in waiting]
+            views = [
+                RequestView(
+                    rid=j.rid,
+                    arrival_seq=j.seq,
+                    age=clock - j.arrival_work,
+                    work=remaining_work(j.prompt, j.output, cfg),
+                    expected_gain=cfg.max_gain,
+                )
+                for j in waiting
+            ]
             if aging:
                 order = order_waiting(views, cfg)
             else:  # the paper's pi alone
@@ -113,8 +120,11 @@ def test_without_aging_the_costly_requests_starve():
 
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(
-    st.lists(st.lists(st.tuples(st.sampled_from([5, 40, 300, 2000]), st.sampled_from([1, 4, 30])), max_size=4),
-             min_size=1, max_size=60),
+    st.lists(
+        st.lists(st.tuples(st.sampled_from([5, 40, 300, 2000]), st.sampled_from([1, 4, 30])), max_size=4),
+        min_size=1,
+        max_size=60,
+    ),
     st.integers(1, 4),
     st.sampled_from([50.0, 400.0, 5000.0]),
 )

@@ -26,8 +26,14 @@ def _arrive(rid: str, prompt: list[int], entropic=None):
 
     custom = {"entropic": entropic} if entropic is not None else None
     sp = SamplingParams(max_new_tokens=64, temperature=1.0, custom_params=custom)
-    req = SimpleNamespace(rid=rid, sampling_params=sp, origin_input_ids=list(prompt), output_ids=[],
-                          num_matched_prefix_tokens=0, priority=None)
+    req = SimpleNamespace(
+        rid=rid,
+        sampling_params=sp,
+        origin_input_ids=list(prompt),
+        output_ids=[],
+        num_matched_prefix_tokens=0,
+        priority=None,
+    )
     return admission.after_create_generation_req(req, None)
 
 
@@ -59,9 +65,17 @@ def _tenant_order(stepper: Stepper, system: list[int]) -> list[str]:
     reqs = []
     for rid, prompt, n in (("a1", system, 300), ("b1", [9] * 40, 250), ("a2", system, 200)):
         state = stepper.rt.new_request_state(None, None)
-        reqs.append(SimpleNamespace(rid=rid, entropic=state, origin_input_ids=(prompt + [1] * n)[:n], output_ids=[],
-                                    num_matched_prefix_tokens=0, priority=None,
-                                    sampling_params=SimpleNamespace(max_new_tokens=64, ignore_eos=False)))
+        reqs.append(
+            SimpleNamespace(
+                rid=rid,
+                entropic=state,
+                origin_input_ids=(prompt + [1] * n)[:n],
+                output_ids=[],
+                num_matched_prefix_tokens=0,
+                priority=None,
+                sampling_params=SimpleNamespace(max_new_tokens=64, ignore_eos=False),
+            )
+        )
     views = scheduling_hooks._views(stepper.rt, reqs, running=False)
     return [reqs[i].rid for i in order_waiting(views, stepper.rt.config.scheduling, stepper.rt.scales)]
 

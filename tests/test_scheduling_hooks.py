@@ -30,10 +30,17 @@ def _req(rt, rid, prompt_len, entropies=(), output_len=0, matched=0, max_new=16,
     state = rt.new_request_state(None, None)
     for h in entropies:
         state.gain.observe(h)
-    return SimpleNamespace(rid=rid, entropic=state, origin_input_ids=[0] * prompt_len, output_ids=[0] * output_len,
-                           num_matched_prefix_tokens=matched, seqlen=prompt_len + output_len, to_finish=None,
-                           sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
-                           priority=priority)
+    return SimpleNamespace(
+        rid=rid,
+        entropic=state,
+        origin_input_ids=[0] * prompt_len,
+        output_ids=[0] * output_len,
+        num_matched_prefix_tokens=matched,
+        seqlen=prompt_len + output_len,
+        to_finish=None,
+        sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
+        priority=priority,
+    )
 
 
 def order(queue):
@@ -82,7 +89,9 @@ def test_retraction_keeps_uncertain_requests_and_retracts_resolved_ones_first(sc
     rt = scheduling_on
     uncertain = _req(rt, "uncertain", 100, entropies=[4.0, 2.5, 3.8, 1.9, 3.5], output_len=5)
     resolved = _req(rt, "resolved", 100, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
-    order = scheduling_hooks.around_retraction_order(lambda reqs: pytest.fail("stock order used"), [resolved, uncertain])
+    order = scheduling_hooks.around_retraction_order(
+        lambda reqs: pytest.fail("stock order used"), [resolved, uncertain]
+    )
     # SGLang retracts from the end of the list: the resolved request goes first.
     assert order == [1, 0]
 
@@ -129,8 +138,11 @@ class _Batch:
         self.prepared = 0
         self.spec_algorithm = SimpleNamespace(is_none=lambda: True)
         self.beam_tail = self.hisparse_coordinator = None
-        self.sampling_info = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=False),
-                                             has_custom_logit_processor=False, watermark_candidates_host=None)
+        self.sampling_info = SimpleNamespace(
+            penalizer_orchestrator=SimpleNamespace(is_required=False),
+            has_custom_logit_processor=False,
+            watermark_candidates_host=None,
+        )
 
     def is_empty(self):
         return not self.reqs

@@ -24,14 +24,28 @@ def _exit_message(capsys, argv: list[str]) -> str:
 @pytest.mark.parametrize(
     "argv, names",
     [
-        (["--schedule-policy", "lpm", "--entropic-config", '{"scheduling": {"order": "entropic"}}'],
-         ["--schedule-policy lpm", "scheduling.order"]),
-        (["--entropic", "scheduling", "--retraction-policy=length", "--entropic-config",
-          '{"scheduling": {"order": "entropic"}}'], ["--retraction-policy length", "scheduling.order"]),
-        (["--schedule-policy", "entropic", "--entropic-config", '{"scheduling": {"order": "sglang"}}'],
-         ["--schedule-policy entropic", "scheduling.order"]),
-        (["--schedule-policy", "entropic", "--retraction-policy", "priority"],
-         ["--schedule-policy entropic", "--retraction-policy priority"]),
+        (
+            ["--schedule-policy", "lpm", "--entropic-config", '{"scheduling": {"order": "entropic"}}'],
+            ["--schedule-policy lpm", "scheduling.order"],
+        ),
+        (
+            [
+                "--entropic",
+                "scheduling",
+                "--retraction-policy=length",
+                "--entropic-config",
+                '{"scheduling": {"order": "entropic"}}',
+            ],
+            ["--retraction-policy length", "scheduling.order"],
+        ),
+        (
+            ["--schedule-policy", "entropic", "--entropic-config", '{"scheduling": {"order": "sglang"}}'],
+            ["--schedule-policy entropic", "scheduling.order"],
+        ),
+        (
+            ["--schedule-policy", "entropic", "--retraction-policy", "priority"],
+            ["--schedule-policy entropic", "--retraction-policy priority"],
+        ),
         (["--entropic", "pruning", "--schedule-policy", "entropic"], ["--schedule-policy entropic", "pruning"]),
     ],
 )
@@ -64,8 +78,10 @@ def test_a_named_policy_is_kept_and_the_loop_leaves_the_order_to_sglang():
     rest, config = _resolve(["--schedule-policy", "lpm"], {"mode": "scheduling"})
     assert config.scheduling.order == "sglang" and not config.entropic_order
     # the choice travels to the scheduler process in the environment, validated again there
-    assert EntropicConfig.model_validate_json(_resolve(["--schedule-policy", "lpm"])[1].to_env()).scheduling.order \
+    assert (
+        EntropicConfig.model_validate_json(_resolve(["--schedule-policy", "lpm"])[1].to_env()).scheduling.order
         == "sglang"
+    )
 
 
 def test_the_engine_follows_the_launchers_rules_in_its_own_spelling():
@@ -77,8 +93,11 @@ def test_the_engine_follows_the_launchers_rules_in_its_own_spelling():
     assert kwargs == {} and config.entropic_order
     for mode, kwargs, names in [
         ("pruning", {"schedule_policy": "entropic"}, ["schedule_policy='entropic'", "pruning"]),
-        ("full", {"schedule_policy": "entropic", "retraction_policy": "priority"},
-         ["schedule_policy='entropic'", "retraction_policy='priority'"]),
+        (
+            "full",
+            {"schedule_policy": "entropic", "retraction_policy": "priority"},
+            ["schedule_policy='entropic'", "retraction_policy='priority'"],
+        ),
     ]:
         with pytest.raises(ValueError) as err:
             _queue_policies(EntropicConfig(mode=mode), kwargs)
@@ -98,8 +117,12 @@ def test_server_info_reports_the_order_that_runs(monkeypatch):
     info = server_info.after_get_init_info({"status": "ready"}, _scheduler(priority=True))
     assert info["schedule_policy"] == "entropic"
     assert info["entropic"]["scheduling"] == {
-        "waiting_order": "entropic", "retraction_order": "entropic", "sglang_policy_under_it": "fcfs",
-        "request_priority_first": True, "decode_budget": None}
+        "waiting_order": "entropic",
+        "retraction_order": "entropic",
+        "sglang_policy_under_it": "fcfs",
+        "request_priority_first": True,
+        "decode_budget": None,
+    }
 
     runtime.install(EntropicConfig(mode="full", scheduling={"order": "sglang", "decode_budget": 2}))
     info = server_info.after_get_init_info({"status": "ready"}, _scheduler("lpm", "priority"))

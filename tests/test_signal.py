@@ -199,11 +199,17 @@ def test_the_reused_scratch_gives_the_values_of_fresh_memory():
             fresh, reused = token_stats(logits, tokens, inv), token_stats(logits, tokens, inv, scratch)
             for a, b in zip(fresh, reused):
                 assert torch.equal(a, b)
-        torch.testing.assert_close(entropy_exact(logits, scratch), entropy_exact(logits), equal_nan=True, rtol=0,
-                                   atol=0)
+        torch.testing.assert_close(
+            entropy_exact(logits, scratch), entropy_exact(logits), equal_nan=True, rtol=0, atol=0
+        )
         temperature = 1.0 / inv_t  # the controller's probe at each row's temperature
-        torch.testing.assert_close(controller_entropy(logits, temperature, scratch),
-                                   controller_entropy(logits, temperature), equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(
+            controller_entropy(logits, temperature, scratch),
+            controller_entropy(logits, temperature),
+            equal_nan=True,
+            rtol=0,
+            atol=0,
+        )
     copy = scratch.snapshot(logits, inv_t)  # the sampler hook's scaled copy: token_stats' x
     assert torch.equal(copy.nan_to_num(), (logits * inv_t[:, None]).nan_to_num())
     scaled, unscaled = token_stats(copy, tokens, None, scratch), token_stats(logits, tokens, inv_t)
@@ -239,9 +245,7 @@ def test_entropy_trace_without_cost_has_zero_efficiency():
 
 
 def test_step_cost_adds_attention_over_attended_tokens():
-    dims = ModelDims(
-        num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, dense_flops_per_token=1000.0
-    )
+    dims = ModelDims(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8, dense_flops_per_token=1000.0)
     assert step_cost(dims, 0) == 1000.0
     assert step_cost(dims, 100) == 1000.0 + 4 * 2 * 4 * 8 * 100
 
@@ -288,9 +292,17 @@ def test_model_dims_explicit_head_dim_and_missing_kv_heads():
 def test_sliding_window_layers_read_at_most_their_window():
     """Gemma 3 270M's shape: 15 of 18 layers slide over 512 tokens; a pruned step prunes only the other 3."""
     types = ["sliding_attention"] * 5 + ["full_attention"]
-    cfg = SimpleNamespace(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-                          hidden_size=640, intermediate_size=2048, vocab_size=262144, layer_types=types * 3,
-                          sliding_window=512)
+    cfg = SimpleNamespace(
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_size=640,
+        intermediate_size=2048,
+        vocab_size=262144,
+        layer_types=types * 3,
+        sliding_window=512,
+    )
     dims = ModelDims.from_hf_config(cfg, kv_bytes_per_element=4)
     assert (dims.sliding_layers, dims.sliding_window) == (15, 512)
     per_token = 4 * 4 * 256

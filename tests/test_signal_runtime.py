@@ -136,10 +136,21 @@ def test_every_dashboard_query_names_a_series_the_server_exports(server):
     """monitoring/grafana/sgl-entropic.json: each panel's PromQL reads only series this server's
     /metrics has (after an entropic-sampling request, so that every loop has written)."""
     dashboard = json.loads((ROOT / "monitoring" / "grafana" / "sgl-entropic.json").read_text())
-    server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.8,
-                                                         "custom_params": {"entropic": {"target_entropy": 1.5}}}})
-    exported = {line.split("{")[0].split()[0] for line in server.get("/metrics").text.splitlines()
-                if line.startswith("sglang:entropic_")}
+    server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 4,
+                "temperature": 0.8,
+                "custom_params": {"entropic": {"target_entropy": 1.5}},
+            },
+        }
+    )
+    exported = {
+        line.split("{")[0].split()[0]
+        for line in server.get("/metrics").text.splitlines()
+        if line.startswith("sglang:entropic_")
+    }
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     queries += [v["query"] for v in dashboard["templating"]["list"]]
     assert len(dashboard["panels"]) >= 6 and all(p["targets"] for p in dashboard["panels"])

@@ -38,7 +38,7 @@ def test_default_selector_stays_close_to_dense_where_surprisal_does_not():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-4000:]
-    result = json.loads(lines[0][len("RESULT "):])
+    result = json.loads(lines[0][len("RESULT ") :])
     quest, surprisal = result["quest"]["4"], result["surprisal"]["4"]
     assert quest["kept_share"] < 0.5  # it really pruned: about a third of the context
     assert quest["kl_mean"] < 0.01 and quest["top1_gap"] >= 0.9, quest  # the KL target

@@ -13,15 +13,27 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (PLAIN_MARGIN, DraftHits, DraftSizer, StepCosts, draft_acceptance, draft_trials,
-                                      entropy_width, offered_drafts, tree_depths, tree_parents, tree_temperatures)
+from sgl_entropic.speculative import (
+    PLAIN_MARGIN,
+    DraftHits,
+    DraftSizer,
+    StepCosts,
+    draft_acceptance,
+    draft_trials,
+    entropy_width,
+    offered_drafts,
+    tree_depths,
+    tree_parents,
+    tree_temperatures,
+)
 
 STATE = dict(target=1.2, eta=0.4, t_min=0.3, t_max=2.5, floor=0.05, warmup=1)
 
 
 def controllers(temps, steps_done):
-    return ControllerBatch.from_rows([ControllerState(temperature=t, steps_done=s, **STATE)
-                                      for t, s in zip(temps, steps_done)])
+    return ControllerBatch.from_rows(
+        [ControllerState(temperature=t, steps_done=s, **STATE) for t, s in zip(temps, steps_done)]
+    )
 
 
 def path_to(parent: list[int], v: int) -> list[int]:
@@ -35,8 +47,9 @@ def path_to(parent: list[int], v: int) -> list[int]:
 def test_tree_temperatures_are_what_sequential_decoding_computes_along_each_path(seed):
     gen = torch.Generator().manual_seed(seed)
     rows, width, vocab = 3, 7, 40
-    parent = torch.tensor([[-1] + [int(torch.randint(0, v, (1,), generator=gen)) for v in range(1, width)]
-                           for _ in range(rows)])
+    parent = torch.tensor(
+        [[-1] + [int(torch.randint(0, v, (1,), generator=gen)) for v in range(1, width)] for _ in range(rows)]
+    )
     logits = torch.randn(rows, width, vocab, generator=gen) * 3
     temps, steps = [0.7, 1.0, 1.6], [0, 4, 9]
     got = tree_temperatures(logits, parent, controllers(temps, steps))
@@ -56,8 +69,15 @@ def test_tree_depths():
 
 VOCAB, LENGTH = 5, 6
 # A Markov "model" over 5 tokens: the next-token logits depend on the last token only.
-TABLE = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5], [0.0, 2.5, 1.0, 0.0, -1.0], [1.0, 0.0, 0.5, 2.0, 0.0],
-                      [0.3, 0.3, 0.3, 0.3, 2.0], [1.5, -0.5, 0.0, 1.0, 0.2]])
+TABLE = torch.tensor(
+    [
+        [2.0, 1.0, 0.0, -1.0, 0.5],
+        [0.0, 2.5, 1.0, 0.0, -1.0],
+        [1.0, 0.0, 0.5, 2.0, 0.0],
+        [0.3, 0.3, 0.3, 0.3, 2.0],
+        [1.5, -0.5, 0.0, 1.0, 0.2],
+    ]
+)
 
 
 def sequential(samples: int, gen: torch.Generator) -> torch.Tensor:
@@ -87,17 +107,27 @@ def speculative(samples: int, gen: torch.Generator, path_temperatures: bool = Tr
     while min(len(o) for o in out) < LENGTH:
         # a chain of the model's likeliest tokens (often accepted, so paths run deep) and a random sibling
         first_guess = TABLE[last].argmax(-1)
-        tokens = torch.stack([last, first_guess, TABLE[first_guess].argmax(-1),
-                              torch.randint(0, VOCAB, (samples,), generator=gen)], 1)
+        tokens = torch.stack(
+            [last, first_guess, TABLE[first_guess].argmax(-1), torch.randint(0, VOCAB, (samples,), generator=gen)], 1
+        )
         logits = TABLE[tokens]  # node v's logits follow its own token (the Markov model)
         batch = ControllerBatch(temps, *(torch.full((samples,), float(v)) for v in STATE.values()), steps)
         node_t = tree_temperatures(logits, parent, batch) if path_temperatures else temps[:, None].repeat(1, width)
-        target = torch.multinomial(torch.softmax(logits / node_t[..., None], -1).view(-1, VOCAB), 1,
-                                   generator=gen).view(samples, width)
+        target = torch.multinomial(
+            torch.softmax(logits / node_t[..., None], -1).view(-1, VOCAB), 1, generator=gen
+        ).view(samples, width)
         positions = torch.empty(samples * width, dtype=torch.long)
         index, first, sibling = (torch.empty(samples, width, dtype=torch.long) for _ in range(3))
-        reconstruct_indices_from_tree_mask(mask.repeat(samples, 1, 1).flatten(), torch.zeros(samples, dtype=torch.long),
-                                           positions, index, first, sibling, samples, width)
+        reconstruct_indices_from_tree_mask(
+            mask.repeat(samples, 1, 1).flatten(),
+            torch.zeros(samples, dtype=torch.long),
+            positions,
+            index,
+            first,
+            sibling,
+            samples,
+            width,
+        )
         predict = torch.zeros(samples * width, dtype=torch.long)
         accept = torch.full((samples, width), -1, dtype=torch.long)
         correct = torch.zeros(samples, dtype=torch.long)
@@ -131,6 +161,7 @@ def test_speculative_sampling_under_the_controller_has_the_sequential_distributi
 
 # ------------------------------------------------------------------------------------------- width rules
 
+
 def test_the_padding_of_a_short_trie_match_is_not_a_draft():
     # NGRAM's corpus pads a match of 2 drafts to 5 nodes with token 0 children of the root
     tokens = np.array([[7, 11, 12, 0, 0], [7, 0, 0, 0, 0], [7, 0, 5, 6, 8]])
@@ -150,8 +181,13 @@ def table(t0: float, t_token: float, attention: tuple[float, float] = (0.0, 0.0)
     `attention` at width 1 and `widest` (proportional to the context)."""
     tokens = (1, 2, 4, 8, 16, 32, 64)
     contexts = (256, 1024, 4096)
-    return StepCosts(tokens, tuple(t0 + t_token * (n - 1) for n in tokens), contexts, (1, widest),
-                     tuple(tuple(a * n / 1024 for n in contexts) for a in attention))
+    return StepCosts(
+        tokens,
+        tuple(t0 + t_token * (n - 1) for n in tokens),
+        contexts,
+        (1, widest),
+        tuple(tuple(a * n / 1024 for n in contexts) for a in attention),
+    )
 
 
 def test_step_costs_price_forwards_by_tokens_and_attention_by_context_and_width():
@@ -192,11 +228,12 @@ def test_the_entropy_rule_drafts_long_when_the_model_is_sure_and_not_at_all_when
     assert 1 < middle < 8
     # the width maximises the expected tokens per second, by brute force over the widths
     a = math.exp(-0.7)  # below the hit rate, 51 / 51
-    best = max(range(1, 9), key=lambda w: sum(a ** j for j in range(w)) / (0.1 + 0.01 * (w - 1)))
+    best = max(range(1, 9), key=lambda w: sum(a**j for j in range(w)) / (0.1 + 0.01 * (w - 1)))
     assert middle == best
     # a batch: the rows' expected tokens share one step's cost
-    assert entropy_width([7, 7], [sure_and_right(0.02), sure_and_right(6.0)], costly, [50, 50]) > \
-        entropy_width([7, 7], [sure_and_right(6.0)] * 2, costly, [50, 50])
+    assert entropy_width([7, 7], [sure_and_right(0.02), sure_and_right(6.0)], costly, [50, 50]) > entropy_width(
+        [7, 7], [sure_and_right(6.0)] * 2, costly, [50, 50]
+    )
 
 
 def test_without_a_cost_table_every_offered_draft_is_verified():
@@ -308,13 +345,21 @@ def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():
 
     full, width = 12, 5
     tokens = torch.arange(1, 3 * width + 1)  # 3 rows of the narrow step, as the worker returns them
-    narrow = NgramVerifyInput(draft_token_num=width, new_seq_lens=torch.tensor([10, 20, 30]), accept_tokens=tokens,
-                              accept_lens=torch.tensor([2, 5, 1]))
+    narrow = NgramVerifyInput(
+        draft_token_num=width,
+        new_seq_lens=torch.tensor([10, 20, 30]),
+        accept_tokens=tokens,
+        accept_lens=torch.tensor([2, 5, 1]),
+    )
     result = SimpleNamespace(next_token_ids=tokens, next_draft_input=narrow)
     widen(result, width, full)
     assert result.next_token_ids.view(3, full)[:, :width].tolist() == tokens.view(3, width).tolist()
-    extend = NgramVerifyInput(draft_token_num=full, new_seq_lens=torch.tensor([7]),
-                              accept_tokens=torch.full((full,), 99), accept_lens=torch.tensor([1]))
+    extend = NgramVerifyInput(
+        draft_token_num=full,
+        new_seq_lens=torch.tensor([7]),
+        accept_tokens=torch.full((full,), 99),
+        accept_lens=torch.tensor([1]),
+    )
     narrow.merge_batch(extend)
     narrow.filter_batch(torch.tensor([1, 3]))  # the second narrow row and the extend's row stay
     rows = narrow.accept_tokens.view(2, full)

@@ -44,8 +44,9 @@ def test_reconstruct_indices_from_tree_mask_matches_the_tree(seed):
     mask = torch.tensor([ancestors_mask(t) for t in trees], dtype=torch.bool).flatten()
     positions = torch.empty(bs * n, dtype=torch.int64)
     index, next_token, next_sibling = (torch.empty(bs, n, dtype=torch.int64) for _ in range(3))
-    ops.reconstruct_indices_from_tree_mask(mask, torch.tensor(seq_lens), positions, index, next_token, next_sibling,
-                                           bs, n)
+    ops.reconstruct_indices_from_tree_mask(
+        mask, torch.tensor(seq_lens), positions, index, next_token, next_sibling, bs, n
+    )
     for b, parent in enumerate(trees):
         for i in range(n):
             depth, j = 0, parent[i]
@@ -83,13 +84,15 @@ def test_verify_tree_greedy_accepts_the_path_of_target_tokens(seed):
     mask = torch.tensor([ancestors_mask(t) for t in trees], dtype=torch.bool).flatten()
     positions = torch.empty(bs * n, dtype=torch.int64)
     index, next_token, next_sibling = (torch.empty(bs, n, dtype=torch.int64) for _ in range(3))
-    ops.reconstruct_indices_from_tree_mask(mask, torch.zeros(bs, dtype=torch.int64), positions, index, next_token,
-                                           next_sibling, bs, n)
+    ops.reconstruct_indices_from_tree_mask(
+        mask, torch.zeros(bs, dtype=torch.int64), positions, index, next_token, next_sibling, bs, n
+    )
     predicts = torch.zeros(bs * n, dtype=torch.int32)
     accept_index = torch.full((bs, n), -1, dtype=torch.int32)
     accept_num = torch.empty(bs, dtype=torch.int32)
-    ops.verify_tree_greedy_cpu(predicts, accept_index, accept_num, torch.tensor(tokens), index, next_token,
-                               next_sibling, torch.tensor(target))
+    ops.verify_tree_greedy_cpu(
+        predicts, accept_index, accept_num, torch.tensor(tokens), index, next_token, next_sibling, torch.tensor(target)
+    )
     expected_predicts = [0] * (bs * n)
     for b in range(bs):
         accepted, pred = reference_greedy(trees[b], tokens[b], target[b], b * n)
@@ -121,14 +124,16 @@ def test_cache_loc_ops_copy_each_request_s_slice(seed):
     starts = [rng.randint(0, 20) for _ in rows]
     ends = [s + rng.randint(0, 10) for s in starts]
     out = torch.empty(sum(e - s for s, e in zip(starts, ends)), dtype=torch.int64)
-    ops.assign_extend_cache_locs_cpu(torch.tensor(rows), req_to_token, torch.tensor(starts), torch.tensor(ends), out,
-                                     width)
+    ops.assign_extend_cache_locs_cpu(
+        torch.tensor(rows), req_to_token, torch.tensor(starts), torch.tensor(ends), out, width
+    )
     expected = [int(req_to_token[r, i]) for r, s, e in zip(rows, starts, ends) for i in range(s, e)]
     assert out.tolist() == expected
     topk, cols = 2, 3
     draft = torch.empty(bs * topk * cols, dtype=torch.int64)
-    ops.assign_draft_cache_locs_contiguous_cpu(torch.tensor(rows), req_to_token, torch.tensor(starts), draft, width,
-                                               topk, cols)
+    ops.assign_draft_cache_locs_contiguous_cpu(
+        torch.tensor(rows), req_to_token, torch.tensor(starts), draft, width, topk, cols
+    )
     assert draft.tolist() == [int(req_to_token[r, s + i]) for r, s in zip(rows, starts) for i in range(topk * cols)]
 
 
@@ -154,8 +159,11 @@ def test_the_tree_ops_equal_sglang_s_triton_kernels():
 
 def _against_triton() -> int:
     from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_triton
-    from sglang.kernels.ops.speculative.spec_tree import (TreeMaskMode, sgl_build_tree_kernel_triton,
-                                                          verify_tree_greedy_triton)
+    from sglang.kernels.ops.speculative.spec_tree import (
+        TreeMaskMode,
+        sgl_build_tree_kernel_triton,
+        verify_tree_greedy_triton,
+    )
 
     cases = 0
     for seed in range(8):
@@ -165,8 +173,10 @@ def _against_triton() -> int:
         for mode in (0, 1):
             size = int(sum(s * n + n * n for s in seq_lens.tolist())) if mode == 0 else bs * n * n
             outs = []
-            for build, m in ((sgl_build_tree_kernel_triton, TreeMaskMode(mode)), (ops.build_tree_kernel_efficient_cpu,
-                                                                                  mode)):
+            for build, m in (
+                (sgl_build_tree_kernel_triton, TreeMaskMode(mode)),
+                (ops.build_tree_kernel_efficient_cpu, mode),
+            ):
                 mask, positions = torch.full((size,), True), torch.empty(bs * n, dtype=torch.int64)
                 links = [torch.full((bs, n), -1, dtype=torch.int64) for _ in range(3)]
                 build(parent_list, selected, seq_lens, mask, positions, *links, topk, depth, n, m)
@@ -179,8 +189,10 @@ def _against_triton() -> int:
         candidates = torch.randint(0, vocab, (bs, n))
         target = torch.randint(0, vocab, (bs, n))
         outs = []
-        for reconstruct, verify in ((reconstruct_indices_from_tree_mask_triton, verify_tree_greedy_triton),
-                                    (ops.reconstruct_indices_from_tree_mask, ops.verify_tree_greedy_cpu)):
+        for reconstruct, verify in (
+            (reconstruct_indices_from_tree_mask_triton, verify_tree_greedy_triton),
+            (ops.reconstruct_indices_from_tree_mask, ops.verify_tree_greedy_cpu),
+        ):
             positions = torch.empty(bs * n, dtype=torch.int64)
             index, first, sibling = (torch.empty(bs, n, dtype=torch.int64) for _ in range(3))
             reconstruct(mask, torch.arange(bs, dtype=torch.int64) * 7, positions, index, first, sibling, bs, n)
@@ -213,8 +225,10 @@ def test_the_verify_forward_attends_each_node_s_prefix_and_tree_ancestors(seed):
     prefix = [rng.randrange(1, 40) for _ in range(bs)]
     parents = [random_tree(rng, width) for _ in range(bs)]
     tree = torch.tensor([ancestors_mask(p) for p in parents], dtype=torch.bool)
-    depth = [[len([1 for j in range(width) if m[i][j]]) - 1 for i in range(width)]
-             for m in (ancestors_mask(p) for p in parents)]
+    depth = [
+        [len([1 for j in range(width) if m[i][j]]) - 1 for i in range(width)]
+        for m in (ancestors_mask(p) for p in parents)
+    ]
     positions = torch.tensor([[n + d for d in depth[b]] for b, n in enumerate(prefix)])
     pool = 2 * bs * (max(prefix) + width) + 10
     k_cache, v_cache = torch.randn(pool, heads_kv, dim, generator=gen), torch.randn(pool, heads_kv, dim, generator=gen)
@@ -231,8 +245,9 @@ def test_the_verify_forward_attends_each_node_s_prefix_and_tree_ancestors(seed):
                 key_pos = list(range(n)) + positions[b].tolist()
                 if window is not None:
                     keys = [c for c in keys if key_pos[c] >= int(positions[b, i]) - window]
-                want = sparse_decode_attention(q[b * width + i], k_cache[slots], v_cache[slots],
-                                               torch.tensor(keys), scale=0.3)
+                want = sparse_decode_attention(
+                    q[b * width + i], k_cache[slots], v_cache[slots], torch.tensor(keys), scale=0.3
+                )
                 torch.testing.assert_close(got[b * width + i], want, rtol=1e-5, atol=1e-5)
 
 

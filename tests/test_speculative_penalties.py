@@ -21,8 +21,10 @@ def sync_server(tmp_path_factory):
     without. Overlapped, SGLang feeds each step's token to the penalizer a step late (`req.output_ids[-1]` when the
     next step is prepared), so penalized output is compared with decoding that feeds it on time."""
     # a smaller KV pool than the session's servers: the tier's memory holds four servers at once, not five
-    srv = start_server(shared_server_cmd() + ["--disable-overlap-schedule", "--max-total-tokens", "16384"],
-                       tmp_path_factory.mktemp("sync") / "server.log")
+    srv = start_server(
+        shared_server_cmd() + ["--disable-overlap-schedule", "--max-total-tokens", "16384"],
+        tmp_path_factory.mktemp("sync") / "server.log",
+    )
     yield srv
     stop_server(srv.proc)
 

@@ -21,8 +21,9 @@ PROMPTS = real_prompts()
 
 
 def _greedy(server, text: str, n: int = 48, **extra) -> dict:
-    return server.generate({"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0,
-                                                              "ignore_eos": True}, **extra})
+    return server.generate(
+        {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}, **extra}
+    )
 
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
@@ -33,8 +34,7 @@ def test_greedy_output_is_token_identical_with_and_without_speculation(server, s
         assert spec["meta_info"]["spec_num_correct_drafts"] > 0
 
 
-def test_the_default_speculates_token_identically_and_runs_plain_steps_where_drafts_miss(server,
-                                                                                       entropy_spec_server):
+def test_the_default_speculates_token_identically_and_runs_plain_steps_where_drafts_miss(server, entropy_spec_server):
     """`--entropic full` alone: NGRAM on, the entropy rule, each request's own trie; fp32 greedy output equal to
     decoding without speculation; steps at width 1 are plain decode steps (no verify forward), on which the rule
     still checks the trie's first draft against the committed token."""
@@ -90,9 +90,15 @@ CONTROLLER = {"target_entropy": 1.5, "eta": 0.3, "t_min": 0.5, "t_max": 1.8, "t_
 
 
 def _sampled_tokens(server, n: int, length: int) -> tuple[list[list[int]], dict]:
-    body = {"text": [SAMPLED] * n, "sampling_params": {"max_new_tokens": length, "temperature": 1.0,
-                                                       "ignore_eos": True,
-                                                       "custom_params": {"entropic": CONTROLLER}}}
+    body = {
+        "text": [SAMPLED] * n,
+        "sampling_params": {
+            "max_new_tokens": length,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "custom_params": {"entropic": CONTROLLER},
+        },
+    }
     r = requests.post(server.url + "/generate", json=body, timeout=900)
     assert r.status_code == 200, r.text
     outs = r.json()
@@ -127,6 +133,7 @@ def test_mirostat_which_verification_cannot_follow_is_http_400(spec_server):
 
 # ------------------------------------------------------------------ one request's speculation, corpora
 
+
 def _own(server, text: str, spec=None, n: int = 48, **extra) -> dict:
     """A greedy request with its own `custom_params.entropic.speculative`."""
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -156,8 +163,12 @@ def test_a_request_opts_out_caps_or_chooses_its_rule_and_its_output_stays_exact(
 
     # beside a request that drafts, in one batch: both exact, and no step lost its plan
     params = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
-    pair = entropy_spec_server.generate({"text": [PROMPTS[0]] * 2, "sampling_params": [
-        {**params, "custom_params": {"entropic": {"speculative": {"draft": "off"}}}}, params]})
+    pair = entropy_spec_server.generate(
+        {
+            "text": [PROMPTS[0]] * 2,
+            "sampling_params": [{**params, "custom_params": {"entropic": {"speculative": {"draft": "off"}}}}, params],
+        }
+    )
     assert [o["output_ids"] for o in pair] == [reference] * 2
     assert pair[0]["meta_info"]["entropic_speculative"]["verify_steps"] == 0
     assert pair[1]["meta_info"]["entropic_speculative"]["drafts_accepted"] > 0
@@ -190,19 +201,37 @@ def test_a_request_s_counts_match_its_per_token_traces_and_sglang_s_own(entropy_
     assert counts["accepted_per_verify"] == pytest.approx(counts["drafts_accepted"] / counts["verify_steps"])
 
 
-@pytest.mark.parametrize("spec, message", [({"max_draft_tokens": 4}, ".max_draft_tokens: at most 3"),
-                                           ({"draft": "acceptance"}, ".draft"), ("off", " must be a JSON object"),
-                                           ({"draft": "off", "cap": 1}, ".cap")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"max_draft_tokens": 4}, ".max_draft_tokens: at most 3"),
+        ({"draft": "acceptance"}, ".draft"),
+        ("off", " must be a JSON object"),
+        ({"draft": "off", "cap": 1}, ".cap"),
+    ],
+)
 def test_a_bad_request_setting_is_http_400_naming_its_field(entropy_spec_server, spec, message):
-    r = entropy_spec_server.post("/generate", {"text": "Hi", "sampling_params": {
-        "max_new_tokens": 2, "custom_params": {"entropic": {"speculative": spec}}}})
+    r = entropy_spec_server.post(
+        "/generate",
+        {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"entropic": {"speculative": spec}}}},
+    )
     assert r.status_code == 400 and "custom_params.entropic.speculative" + message in r.text
 
 
 def test_a_server_without_speculation_refuses_a_rule_and_serves_an_opt_out(server):
     def post(spec):
-        return server.post("/generate", {"text": "Hi", "sampling_params": {
-            "max_new_tokens": 2, "temperature": 0, "custom_params": {"entropic": {"speculative": spec}}}})
+        return server.post(
+            "/generate",
+            {
+                "text": "Hi",
+                "sampling_params": {
+                    "max_new_tokens": 2,
+                    "temperature": 0,
+                    "custom_params": {"entropic": {"speculative": spec}},
+                },
+            },
+        )
+
     r = post({"draft": "fixed"})
     assert r.status_code == 400 and "speculative decoding is off on this server" in r.text
     assert post({"draft": "off"}).status_code == 200  # greedy: `speculative` alone asks for no controller
@@ -212,14 +241,23 @@ def test_openai_responses_carry_the_request_s_counts_and_its_drafted_tokens(entr
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=entropy_spec_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     body = {"return_entropy": True, "custom_params": {"entropic": {"speculative": {"max_draft_tokens": 2}}}}
-    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[0]}],
-                                         max_tokens=24, temperature=0, extra_body=body)
+    out = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=24,
+        temperature=0,
+        extra_body=body,
+    )
     (entry,) = out.model_extra["sglext"]["entropic"]
     assert len(entry["from_draft"]) == out.usage.completion_tokens
     assert entry["speculative"]["decode_steps"] >= out.usage.completion_tokens // 3
     with pytest.raises(openai.BadRequestError, match="custom_params.entropic.speculative.draft"):
-        client.completions.create(model="default", prompt="Hi", max_tokens=2,
-                                  extra_body={"custom_params": {"entropic": {"speculative": {"draft": "?"}}}})
+        client.completions.create(
+            model="default",
+            prompt="Hi",
+            max_tokens=2,
+            extra_body={"custom_params": {"entropic": {"speculative": {"draft": "?"}}}},
+        )
 
 
 def test_an_external_corpus_drafts_exactly_and_leaves_with_its_removal(server, entropy_spec_server):
@@ -232,8 +270,9 @@ def test_an_external_corpus_drafts_exactly_and_leaves_with_its_removal(server, e
     assert before["corpus_verify_steps"] == 0
 
     def add():
-        r = requests.post(url + "/add_external_corpus", json={"corpus_id": "answers", "documents": [reference["text"]]},
-                          timeout=60)
+        r = requests.post(
+            url + "/add_external_corpus", json={"corpus_id": "answers", "documents": [reference["text"]]}, timeout=60
+        )
         assert r.status_code == 200 and r.json()["loaded_token_count"] > 40, r.text
 
     try:

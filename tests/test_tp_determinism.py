@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def no_clock_no_randomness(monkeypatch):
     """A decision that read the wall clock or Python's generator could differ between ranks."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("per-step logic read a clock or a random generator")
 
@@ -63,30 +64,52 @@ def rank_decisions() -> dict:
     for _ in range(STEPS):
         logits = torch.randn(ROWS, VOCAB, generator=gen) * 3.0
         given, tokens = stepper.step(reqs, logits, [0.9, 1.0, 1.0, 0.9, 1.0, 0.7])
-        out["steps"].append({"temperatures": given.tolist(), "tokens": tokens.tolist(),
-                             "host": [(r.entropic.trace.tau, r.entropic.gain.expected_gain,
-                                       r.entropic.controller.temperature if r.entropic.controller else None,
-                                       r.entropic.mirostat.mu if r.entropic.mirostat else None) for r in reqs]})
+        out["steps"].append(
+            {
+                "temperatures": given.tolist(),
+                "tokens": tokens.tolist(),
+                "host": [
+                    (
+                        r.entropic.trace.tau,
+                        r.entropic.gain.expected_gain,
+                        r.entropic.controller.temperature if r.entropic.controller else None,
+                        r.entropic.mirostat.mu if r.entropic.mirostat else None,
+                    )
+                    for r in reqs
+                ],
+            }
+        )
     out["tables"] = [stepper.table.entropic.tolist(), stepper.table.mirostat.tolist()]
     sched = SchedulingConfig(decode_budget=3)
     new = [stepper.req(prompt_ids=[i % 2] * 80 + [99]) for i in range(4)]
     stepper.rt.served += 1234.0
-    views = [RequestView(rid=f"r{i}", arrival_seq=r.entropic.arrival_seq,
-                         age=stepper.rt.served - r.entropic.arrival_work + 40.0 * i,
-                         work=remaining_work(20 if i % 2 else 90, remaining_output(64, i, False, sched), sched),
-                         expected_gain=r.entropic.gain.expected_gain, skips=i % 4)
-             for i, r in enumerate(reqs + new)]
+    views = [
+        RequestView(
+            rid=f"r{i}",
+            arrival_seq=r.entropic.arrival_seq,
+            age=stepper.rt.served - r.entropic.arrival_work + 40.0 * i,
+            work=remaining_work(20 if i % 2 else 90, remaining_output(64, i, False, sched), sched),
+            expected_gain=r.entropic.gain.expected_gain,
+            skips=i % 4,
+        )
+        for i, r in enumerate(reqs + new)
+    ]
     out["order"], out["decode"] = order_waiting(views, sched), select_decode(views, sched)
     out["pages"] = {}
     for name, update in (("two-stage", {}), ("per-head", {"per_head": True}), ("bound", {"shortlist_ratio": None})):
-        runner, backend, batch, q, _ = setup(CFG.model_copy(update=update), [900, 400, 700],
-                                             entropies=[0.5, 3.0, float("nan")], seed=5, tp_size=2)
+        runner, backend, batch, q, _ = setup(
+            CFG.model_copy(update=update), [900, 400, 700], entropies=[0.5, 3.0, float("nan")], seed=5, tp_size=2
+        )
         runtime.current().rows = batch.rows
         plan = backend.planner.plan(batch, batch.rows)  # with --tp-size > 1 nothing is timed at start-up
         queries = q.view(q.shape[0], -1, 16)
         pool, store = runner.token_to_kv_pool, backend.planner.store
-        out["pages"][name] = [attend_layer(queries, pool.k[layer], pool.v[layer], plan, store.kmin[layer],
-                                           store.kmax[layer], 0.25)[1].tolist() for layer in range(3)]
+        out["pages"][name] = [
+            attend_layer(queries, pool.k[layer], pool.v[layer], plan, store.kmin[layer], store.kmax[layer], 0.25)[
+                1
+            ].tolist()
+            for layer in range(3)
+        ]
     return out
 
 
@@ -102,10 +125,9 @@ def test_two_rank_processes_decide_identically():
     outputs = []
     for extra in ({"PYTHONHASHSEED": "1", "OMP_NUM_THREADS": "2"}, {"PYTHONHASHSEED": "2", "OMP_NUM_THREADS": "1"}):
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "OMP_NUM_THREADS")}
-        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, **extra}, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append(proc.stdout.strip().splitlines()[-1])
     assert json.loads(outputs[0]) == json.loads(outputs[1])
-
-

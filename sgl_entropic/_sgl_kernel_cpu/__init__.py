@@ -41,8 +41,9 @@ def assign_req_to_token_pool_cpu(
         offset += n
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
-                                src_loc: torch.Tensor) -> None:
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """Every KV buffer's slot tgt_loc[i] = its slot src_loc[i] (speculative decoding moves accepted drafts' KV).
 
     The buffers come as raw addresses with their slot strides in bytes (`MHATokenToKVPool.data_ptrs`); each is
@@ -57,4 +58,3 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         raw = (ctypes.c_uint8 * (slots * stride)).from_address(address)
         buffer = torch.frombuffer(raw, dtype=torch.uint8).view(slots, stride)
         buffer[tgt] = buffer[src]
-

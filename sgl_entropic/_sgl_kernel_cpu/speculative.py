@@ -12,9 +12,16 @@ from __future__ import annotations
 import torch
 
 
-def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, retrieve_index,
-                                       retrieve_next_token, retrieve_next_sibling, batch_size: int,
-                                       draft_token_num: int) -> None:
+def reconstruct_indices_from_tree_mask(
+    tree_mask,
+    verified_seq_len,
+    positions,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    batch_size: int,
+    draft_token_num: int,
+) -> None:
     """NGRAM's verify metadata from its tree mask (`reconstruct_tree.py`'s contract).
 
     `tree_mask[b, i, j]` (flat, row-major) marks node j as an ancestor of node i (the diagonal is set).
@@ -38,8 +45,16 @@ def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, r
     retrieve_next_sibling.view(bs, n).copy_(torch.where((parent >= 0) & (sibling < n), sibling, -1))
 
 
-def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                           retrive_next_token, retrive_next_sibling, target_predict) -> None:
+def verify_tree_greedy_cpu(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+) -> None:
     """Greedy tree verification (`spec_tree.verify_tree_greedy_kernel_triton`'s contract).
 
     From each request's root, follow the child (then its siblings, in list order) whose draft token equals
@@ -77,9 +92,20 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
     accept_token_num.copy_(torch.tensor(counts, dtype=accept_token_num.dtype))
 
 
-def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask, positions,
-                                    retrive_index, retrive_next_token, retrive_next_sibling, topk: int, depth: int,
-                                    draft_token_num: int, tree_mask_mode: int) -> None:
+def build_tree_kernel_efficient_cpu(
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    topk: int,
+    depth: int,
+    draft_token_num: int,
+    tree_mask_mode: int,
+) -> None:
     """EAGLE's verify tree from its draft steps' top-k choices (`spec_tree.sgl_build_tree_kernel_efficient_triton`).
 
     Node i > 0 is the draft token `selected_index[b, i - 1]`; its parent is the node whose selected index
@@ -138,8 +164,9 @@ def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_strid
     bonus_tokens.copy_(accept_tokens.reshape(-1)[rows * accept_stride + accept_lens.long() - 1])
 
 
-def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len: int) -> None:
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len: int
+) -> None:
     """out_cache_loc = the requests' req_to_token[row, start:end] slices, packed in request order."""
     del pool_len  # the row length is req_to_token's
     offset = 0
@@ -148,8 +175,9 @@ def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, e
         offset += end - start
 
 
-def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len: int,
-                                           topk: int, num_cols: int) -> None:
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len: int, topk: int, num_cols: int
+) -> None:
     """Each request's topk * num_cols slots from its seq_len on, at out_cache_loc[b * topk * num_cols:]."""
     width = topk * num_cols
     ends = seq_lens + width

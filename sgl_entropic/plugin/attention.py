@@ -58,8 +58,16 @@ def timings_dir() -> Path:
 
 
 # the code whose speed the start-up probe times: a change to it is a new measurement
-TIMED_CODE = ("plugin/attention.py", "plugin/page_planner.py", "plugin/page_store.py", "pruning/kernel.py",
-              "pruning/plan.py", "pruning/select.py", "pruning/scores.py", "pruning/budget.py")
+TIMED_CODE = (
+    "plugin/attention.py",
+    "plugin/page_planner.py",
+    "plugin/page_store.py",
+    "pruning/kernel.py",
+    "pruning/plan.py",
+    "pruning/select.py",
+    "pruning/scores.py",
+    "pruning/budget.py",
+)
 
 
 def probe_key(shape, layers: int, contexts: list[int], cfg: PruningConfig) -> dict:
@@ -67,16 +75,29 @@ def probe_key(shape, layers: int, contexts: list[int], cfg: PruningConfig) -> di
     root = Path(__file__).resolve().parents[1]
     code = hashlib.sha256(b"".join((root / f).read_bytes() for f in TIMED_CODE)).hexdigest()[:16]
     heads_q, heads_kv, dim, dtype = shape
-    return {"cpu": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
-            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "code": code, "shape": [heads_q, heads_kv, dim, str(dtype), layers],
-            "contexts": contexts, "pruning": cfg.model_dump(mode="json", exclude={"min_context", "engaged"})}
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "code": code,
+        "shape": [heads_q, heads_kv, dim, str(dtype), layers],
+        "contexts": contexts,
+        "pruning": cfg.model_dump(mode="json", exclude={"min_context", "engaged"}),
+    }
 
 
 def _cpu_model() -> str:
     try:
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), "")
+        return next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         return ""
 
@@ -123,7 +144,8 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         if cfg.dense_kernel_from is None:
             if "kernel" not in kept:
                 measured["kernel"] = measure(
-                    lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False), contexts)
+                    lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=False), contexts
+                )
             kernel_timings = measured["kernel"]
             from_ = crossover(kernel_timings)
         else:
@@ -131,26 +153,37 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         if cfg.min_context is None:
             if "pruned" not in kept:
                 measured["pruned"] = measure(
-                    lambda n, ours: self._timed_step(shape, layers, cfg, n, ours, prune=True,
-                                                     dense_kernel=from_ is not None and n >= from_), contexts)
+                    lambda n, ours: self._timed_step(
+                        shape, layers, cfg, n, ours, prune=True, dense_kernel=from_ is not None and n >= from_
+                    ),
+                    contexts,
+                )
             timings = measured["pruned"]
             found = crossover(timings)
-            self.planner.cfg = cfg.model_copy(update={"min_context": found if found is not None else
-                                                      config.context_len + 1})
+            self.planner.cfg = cfg.model_copy(
+                update={"min_context": found if found is not None else config.context_len + 1}
+            )
         timed_now = measured.keys() != kept.keys()
         if timed_now:
             save_timings(path, key, measured)
-        logger.info("sgl-entropic: pruning from %s tokens, our kernel over every page from %s (%s %s; ms per step, "
-                    "context: SGLang's loop / ours over every page / ours pruned: %s)",
-                    self.planner.cfg.min_context, from_ if from_ is not None else "no measured context",
-                    "timed now, kept in" if timed_now else "as timed before, in", path,
-                    ", ".join(f"{k.context}: {k.dense_s * 1e3:.1f}/{k.sparse_s * 1e3:.1f}/"
-                              + (f"{t.sparse_s * 1e3:.1f}" if t else "-")
-                              for k, t in itertools.zip_longest(kernel_timings, timings)))
+        logger.info(
+            "sgl-entropic: pruning from %s tokens, our kernel over every page from %s (%s %s; ms per step, "
+            "context: SGLang's loop / ours over every page / ours pruned: %s)",
+            self.planner.cfg.min_context,
+            from_ if from_ is not None else "no measured context",
+            "timed now, kept in" if timed_now else "as timed before, in",
+            path,
+            ", ".join(
+                f"{k.context}: {k.dense_s * 1e3:.1f}/{k.sparse_s * 1e3:.1f}/"
+                + (f"{t.sparse_s * 1e3:.1f}" if t else "-")
+                for k, t in itertools.zip_longest(kernel_timings, timings)
+            ),
+        )
         return Probe(timings, kernel_timings, from_, check)
 
-    def _timed_step(self, shape, layers: int, cfg: PruningConfig, n: int, ours: bool, prune: bool,
-                    dense_kernel: bool = False):
+    def _timed_step(
+        self, shape, layers: int, cfg: PruningConfig, n: int, ours: bool, prune: bool, dense_kernel: bool = False
+    ):
         """One decode step's attention over every layer, for one row of n tokens of synthetic KV: the
         dense reference (SGLang's own loop, or our kernel over every page where it is faster), or ours
         (the pruned path: plan, bounds, selection at the budget an unknown entropy gives, attention,
@@ -159,16 +192,19 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         p = cfg.page_size
         pages = -(-n // p)
         k, v = (torch.randn(pages * p, heads_kv, dim).to(dtype) for _ in range(2))
-        q, scale = torch.randn(1, heads_q, dim).to(dtype), dim ** -0.5
+        q, scale = torch.randn(1, heads_q, dim).to(dtype), dim**-0.5
         out = torch.empty_like(q)
         req_to_token = torch.arange(pages * p, dtype=torch.int32)[None]
         one, seq_lens = torch.zeros(1, dtype=torch.long), torch.tensor([n])
         page_table = torch.arange(pages)[None]
         if not ours and not dense_kernel:
+
             def dense():
                 for _ in range(layers):
                     TorchNativeAttnBackend._run_sdpa_forward_decode(
-                        self, q, out, k, v, req_to_token, one, seq_lens, scaling=scale, enable_gqa=heads_q != heads_kv)
+                        self, q, out, k, v, req_to_token, one, seq_lens, scaling=scale, enable_gqa=heads_q != heads_kv
+                    )
+
             return dense
         store = PageStore([0], pages * p, p, heads_kv, dim, dtype, k.device, 1, with_surprisal=False)
         store.write_keys(0, torch.arange(n), k[:n])
@@ -182,6 +218,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
                 out.copy_(attend_layer(q, k, v, plan, store.kmin[0], store.kmax[0], scale)[0])
                 if pruned:
                     store.write_keys(0, loc, k[loc])
+
         return step
 
     # ------------------------------------------------------------------ per step, per layer
@@ -242,8 +279,10 @@ def create_backend(model_runner):
     cuda = str(model_runner.device).startswith("cuda")
     if not rt.config.pruning_on:
         if cuda:
-            raise ValueError(f"--attention-backend {BACKEND_NAME} without pruning serves CPU verification only; "
-                             "on CUDA keep SGLang's own backend")
+            raise ValueError(
+                f"--attention-backend {BACKEND_NAME} without pruning serves CPU verification only; "
+                "on CUDA keep SGLang's own backend"
+            )
         return TreeVerifyAttnBackend(model_runner)
     if cuda:
         if model_runner.use_mla_backend:
@@ -283,8 +322,13 @@ def around_logits_forward(original, processor, input_ids, hidden_states, lm_head
 
     rt = runtime.current()
     store = rt.pages
-    if store is not None and store.slot_surprisal is not None and isinstance(logits_metadata, ForwardBatch) \
-            and logits_metadata.forward_mode.is_extend() and not logits_metadata.forward_mode.is_target_verify():
+    if (
+        store is not None
+        and store.slot_surprisal is not None
+        and isinstance(logits_metadata, ForwardBatch)
+        and logits_metadata.forward_mode.is_extend()
+        and not logits_metadata.forward_mode.is_target_verify()
+    ):
         try:
             store.record_prompt(processor, hidden_states, lm_head, logits_metadata)
         except Exception:  # unscored slots stay NaN, i.e. always attended

@@ -49,18 +49,28 @@ class _PerHeadLists:
         batch, heads_q, dim = q.shape
         k, v = kv_cache
         flat = lambda t: t.view(-1, 1, t.shape[-1])  # noqa: E731  [slots * H_kv, 1, D]: slot * H_kv + h
-        out = self.inner.forward(q.view(batch * self.heads_kv, heads_q // self.heads_kv, dim), (flat(k), flat(v)),
-                                 **kwargs)
+        out = self.inner.forward(
+            q.view(batch * self.heads_kv, heads_q // self.heads_kv, dim), (flat(k), flat(v)), **kwargs
+        )
         return out.view(batch, heads_q, -1)
 
 
 class FlashInferSparse:
     """One pruned decode step on FlashInfer: the plan (`begin`), each layer's selection (`select`)."""
 
-    def __init__(self, workspace, heads: tuple[int, int, int], data_types: tuple, page_size: int, per_head: bool,
-                 backend: str = "auto", use_tensor_cores: bool = False):
-        self.wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", backend=backend,
-                                                          use_tensor_cores=use_tensor_cores)
+    def __init__(
+        self,
+        workspace,
+        heads: tuple[int, int, int],
+        data_types: tuple,
+        page_size: int,
+        per_head: bool,
+        backend: str = "auto",
+        use_tensor_cores: bool = False,
+    ):
+        self.wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", backend=backend, use_tensor_cores=use_tensor_cores
+        )
         self.heads_q, self.heads_kv, self.head_dim = heads
         self.q_type, self.kv_type = data_types
         self.page_size, self.per_head = page_size, per_head
@@ -87,14 +97,23 @@ class FlashInferSparse:
         i = torch.arange(plan.keep_valid.shape[1] * p, device=device)
         self.k_dest = torch.where(i < keep, starts[..., None] + fixed + i, total).flatten()
         fixed_slots = (plan.fixed_pages[:, :, None] * p + torch.arange(p, device=device)).flatten(1)  # [B, F * p]
-        self.indices.index_put_((f_dest.flatten(),), self._flat(fixed_slots[:, None].expand(-1, lists, -1))
-                                .flatten().to(torch.int32))
+        self.indices.index_put_(
+            (f_dest.flatten(),), self._flat(fixed_slots[:, None].expand(-1, lists, -1)).flatten().to(torch.int32)
+        )
         # indptr and last page lengths as host tensors: FlashInfer plans from host copies, no read back
         indptr = torch.tensor(offsets, dtype=torch.int32, pin_memory=device.type == "cuda")
         last_page_len = torch.ones(len(counts), dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.wrapper.plan(indptr, self.indices[:total], last_page_len,
-                          self.heads_q // lists, self.heads_kv // lists, self.head_dim, 1,
-                          q_data_type=self.q_type, kv_data_type=self.kv_type)
+        self.wrapper.plan(
+            indptr,
+            self.indices[:total],
+            last_page_len,
+            self.heads_q // lists,
+            self.heads_kv // lists,
+            self.head_dim,
+            1,
+            q_data_type=self.q_type,
+            kv_data_type=self.kv_type,
+        )
         self.plan = plan
         self.page_table_i32 = plan.page_table.to(torch.int32)  # once per step, read by every layer
 
@@ -104,8 +123,9 @@ class FlashInferSparse:
             return slots
         return slots * self.heads_kv + torch.arange(self.heads_kv, device=slots.device)[None, :, None]
 
-    def select(self, q: torch.Tensor, k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def select(
+        self, q: torch.Tensor, k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """This layer's kept pages (logical `[B, L, K]`), their slots written into the plan's index buffer."""
         plan, p = self.plan, self.page_size
         q = q.view(q.shape[0], self.heads_q, self.head_dim)
@@ -132,8 +152,15 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         self.planner = PagePlanner(model_runner, cfg)
         updater = self.indices_updater_decode
         self._heads = (updater.num_qo_heads, updater.num_kv_heads, updater.head_dim)
-        self.sparse = FlashInferSparse(self.workspace_buffer, self._heads, (updater.q_data_type, updater.data_type),
-                                       cfg.page_size, cfg.per_head, self.decode_backend, self.decode_use_tensor_cores)
+        self.sparse = FlashInferSparse(
+            self.workspace_buffer,
+            self._heads,
+            (updater.q_data_type, updater.data_type),
+            cfg.page_size,
+            cfg.per_head,
+            self.decode_backend,
+            self.decode_use_tensor_cores,
+        )
         self.pruned = False
         self.dense_metadata = self.sparse_metadata = None
         self.probe = self._start_up(model_runner, cfg)
@@ -148,8 +175,11 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         elif cfg.min_context is None:
             found = cuda_min_context(cfg.shortlist_ratio, model_runner.model_config.context_len)
             self.planner.cfg = cfg.model_copy(update={"min_context": found})
-            logger.info("sgl-entropic: on CUDA rows prune from %s tokens (the measured rule, docs/gpu.md; "
-                        "set pruning.min_context to override)", found)
+            logger.info(
+                "sgl-entropic: on CUDA rows prune from %s tokens (the measured rule, docs/gpu.md; "
+                "set pruning.min_context to override)",
+                found,
+            )
         return Probe([], [], None, check)
 
     def init_forward_metadata(self, forward_batch):
@@ -185,8 +215,12 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         if self.pruned:
             self.forward_metadata = self.sparse_metadata if sparse else self.dense_metadata
         if sparse:
-            self.sparse.select(q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                               *self.planner.store.bounds(layer.layer_id), layer.scaling)
+            self.sparse.select(
+                q,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                *self.planner.store.bounds(layer.layer_id),
+                layer.scaling,
+            )
         out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.planner.write_keys(layer, forward_batch, self.token_to_kv_pool.get_key_buffer(layer.layer_id))
         return out

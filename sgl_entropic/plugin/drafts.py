@@ -42,8 +42,9 @@ class RequestTries:
     tries: dict = field(default_factory=dict)
     hits: dict = field(default_factory=dict)  # rid -> (its trie's, the corpus's) first-draft record
 
-    def drafts(self, worker, batch, skip: frozenset = frozenset()) -> tuple[np.ndarray, np.ndarray, list[bool],
-                                                                            Optional[list]]:
+    def drafts(
+        self, worker, batch, skip: frozenset = frozenset()
+    ) -> tuple[np.ndarray, np.ndarray, list[bool], Optional[list]]:
         """[bs, W] tokens, [bs, W, W] masks, whether each row's drafts came from a corpus, and with a corpus each
         row's first draft from each source (-1: none; for `observe`); rows in `skip` (opted out) get a tree of
         their root alone and keep no trie."""
@@ -57,8 +58,11 @@ class RequestTries:
             self.hits.pop(rid, None)
         new = {i for i, req in enumerate(batch.reqs) if i not in skip and req.rid not in self.tries}
         contexts = contexts_of(worker, batch, depth, new)
-        corpus = worker.ngram_corpus if args.speculative_ngram_external_sam_budget > 0 and \
-            worker.list_external_corpora() else None
+        corpus = (
+            worker.ngram_corpus
+            if args.speculative_ngram_external_sam_budget > 0 and worker.list_external_corpora()
+            else None
+        )
         if departed:
             worker.ngram_corpus.erase_match_state(list(departed))
         drafts, masks, from_corpus, firsts = [], [], [], []
@@ -72,10 +76,13 @@ class RequestTries:
                 continue
             if i in new:
                 trie = self.tries[req.rid] = NgramCorpus(
-                    max_trie_depth=depth, min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
-                    max_bfs_breadth=args.speculative_ngram_max_bfs_breadth, draft_token_num=width,
+                    max_trie_depth=depth,
+                    min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+                    max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+                    draft_token_num=width,
                     match_type=args.speculative_ngram_match_type,
-                    capacity=min(MAX_NODES, depth * (ctx.length + 1024)))
+                    capacity=min(MAX_NODES, depth * (ctx.length + 1024)),
+                )
                 trie.batch_put([ctx.full])
             else:
                 trie = self.tries[req.rid]
@@ -95,8 +102,12 @@ class RequestTries:
             masks.append(m)
             from_corpus.append(used)
         n = len(contexts)
-        return (np.stack(drafts).reshape(n, width), np.stack(masks).reshape(n, width, width), from_corpus,
-                firsts if corpus is not None else None)
+        return (
+            np.stack(drafts).reshape(n, width),
+            np.stack(masks).reshape(n, width, width),
+            from_corpus,
+            firsts if corpus is not None else None,
+        )
 
     def observe(self, rids: list[str], firsts: Optional[list], roots: list[int]) -> None:
         """A step's committed first tokens against each source's first draft (`drafts`)."""
@@ -147,7 +158,7 @@ def contexts_of(worker, batch, depth: int, whole: set) -> list[Context]:
     if worker.enable_overlap and not batch.grammar_needs_sync():
         info, stride = batch.spec_info, worker.speculative_num_draft_tokens
         ids, lens = info.accept_tokens.cpu().tolist(), info.accept_lens.cpu().tolist()
-        extra = [ids[i * stride: i * stride + lens[i]] for i in range(len(batch.reqs))]
+        extra = [ids[i * stride : i * stride + lens[i]] for i in range(len(batch.reqs))]
     out = []
     for i, (r, more) in enumerate(zip(batch.reqs, extra)):
         prompt, output = r.origin_input_ids_unpadded, r.output_ids
@@ -158,6 +169,6 @@ def contexts_of(worker, batch, depth: int, whole: set) -> list[Context]:
             continue
         tail = list(output[-depth:]) + more
         if len(tail) < depth:
-            tail = list(prompt[len(tail) - depth:]) + tail
+            tail = list(prompt[len(tail) - depth :]) + tail
         out.append(Context(tail[-depth:], length))
     return out

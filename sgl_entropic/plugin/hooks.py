@@ -82,8 +82,9 @@ def report_missing(process: Process) -> list[str]:
     rt = runtime.installed()
     targets = missing(rt.hooks, process) if rt is not None else []
     for target in targets:
-        logger.error("sgl-entropic: hook on %s is NOT applied in the %s process; the feature it carries is off",
-                     target, process)
+        logger.error(
+            "sgl-entropic: hook on %s is NOT applied in the %s process; the feature it carries is off", target, process
+        )
     return targets
 
 

@@ -36,8 +36,11 @@ class EntropicMetrics:
             "Temperature the entropic controller sampled each token of its requests at.",
             buckets=(0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0),
         )
-        self.degraded = Counter("sglang:entropic_degraded_steps", "Steps whose plugin work failed (their tokens' "
-                                "trace values are null), by where it failed.", labelnames=("where",))
+        self.degraded = Counter(
+            "sglang:entropic_degraded_steps",
+            "Steps whose plugin work failed (their tokens' trace values are null), by where it failed.",
+            labelnames=("where",),
+        )
         self.parked = Counter("sglang:entropic_parked_steps", "Decode steps running requests waited (decode budget).")
         # the plugin's own price (timing.py): its hook handlers' time in each decode step, and that time's share
         self.plugin_time = Histogram(
@@ -52,15 +55,27 @@ class EntropicMetrics:
         )
         if speculative:  # NGRAM under the draft rule (speculation.py): per request and verify step
             drafts = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-            self.drafted = Histogram("sglang:entropic_drafted_tokens", "Draft tokens a request verified in a step.",
-                                     buckets=drafts)
-            self.accepted = Histogram("sglang:entropic_accepted_tokens", "Draft tokens a request accepted in a step.",
-                                      buckets=drafts)
-            self.width = Histogram("sglang:entropic_verify_width", "Nodes per request of each verify step (the "
-                                   "draft rule's width).", buckets=tuple(d + 1 for d in drafts))
+            self.drafted = Histogram(
+                "sglang:entropic_drafted_tokens", "Draft tokens a request verified in a step.", buckets=drafts
+            )
+            self.accepted = Histogram(
+                "sglang:entropic_accepted_tokens", "Draft tokens a request accepted in a step.", buckets=drafts
+            )
+            self.width = Histogram(
+                "sglang:entropic_verify_width",
+                "Nodes per request of each verify step (the draft rule's width).",
+                buckets=tuple(d + 1 for d in drafts),
+            )
 
-    def observe(self, entropies: list[float], step_tau: float, step_flops: float, attended: list[float] = (),
-                temperatures: list[float] = (), parked: int = 0) -> None:
+    def observe(
+        self,
+        entropies: list[float],
+        step_tau: float,
+        step_flops: float,
+        attended: list[float] = (),
+        temperatures: list[float] = (),
+        parked: int = 0,
+    ) -> None:
         for h in entropies:
             self.entropy.observe(h)
         for a in attended:

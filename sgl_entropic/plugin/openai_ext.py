@@ -78,8 +78,11 @@ def after_build_response(result, serving, request, ret, *args, **kwargs):
 def around_stream(original, serving, adapted_request, request, raw_request, *args, **kwargs):
     """`_generate_chat_stream` / `_generate_completion_stream`: untouched unless traced."""
     stream = original(serving, adapted_request, request, raw_request, *args, **kwargs)
-    if not getattr(adapted_request, "return_entropy", False) or not isinstance(adapted_request.rid, str) \
-            or getattr(request, "n", 1) != 1:
+    if (
+        not getattr(adapted_request, "return_entropy", False)
+        or not isinstance(adapted_request.rid, str)
+        or getattr(request, "n", 1) != 1
+    ):
         return stream
     return _with_traces(stream, adapted_request.rid, request)
 
@@ -90,8 +93,13 @@ async def _with_traces(stream, rid: str, request):
     try:
         async for chunk in stream:
             if chunk == _DONE and box:
-                extra = {"id": rid, "object": _chunk_object(request), "model": request.model, "choices": [],
-                         "sglext": {"entropic": [_choice(i, box[i]) for i in sorted(box)]}}
+                extra = {
+                    "id": rid,
+                    "object": _chunk_object(request),
+                    "model": request.model,
+                    "choices": [],
+                    "sglext": {"entropic": [_choice(i, box[i]) for i in sorted(box)]},
+                }
                 yield f"data: {orjson.dumps(extra).decode()}\n\n"
             yield chunk
     finally:

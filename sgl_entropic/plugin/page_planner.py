@@ -33,8 +33,10 @@ class PagePlanner:
 
     def __init__(self, model_runner, cfg: PruningConfig):
         if model_runner.page_size != cfg.page_size:
-            raise ValueError(f"--attention-backend entropic: pruning.page_size ({cfg.page_size}) must equal the KV "
-                             f"--page-size ({model_runner.page_size}); the launcher sets it")
+            raise ValueError(
+                f"--attention-backend entropic: pruning.page_size ({cfg.page_size}) must equal the KV "
+                f"--page-size ({model_runner.page_size}); the launcher sets it"
+            )
         self.cfg = cfg
         config = model_runner.model_config
         self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(config.vocab_size)
@@ -46,8 +48,17 @@ class PagePlanner:
         self.group_tokens: Optional[int] = None  # the CPU backend's row groups (pruning.StepPlan.build)
         self.kv_pool = model_runner.token_to_kv_pool
         k0 = self.kv_pool.get_key_buffer(0)
-        self.store = PageStore(self.full_layers, k0.shape[0], cfg.page_size, k0.shape[1], k0.shape[2], k0.dtype,
-                               k0.device, self.req_to_token.shape[0], with_surprisal=cfg.selector == "surprisal")
+        self.store = PageStore(
+            self.full_layers,
+            k0.shape[0],
+            cfg.page_size,
+            k0.shape[1],
+            k0.shape[2],
+            k0.dtype,
+            k0.device,
+            self.req_to_token.shape[0],
+            with_surprisal=cfg.selector == "surprisal",
+        )
         # KV slots written by dense decode steps whose keys are not folded into the page bounds yet
         self._deferred: list[torch.Tensor] = []
         self._deferred_slots = 0

@@ -18,8 +18,18 @@ from sgl_entropic.transfer import to_device
 
 
 class PageStore:
-    def __init__(self, layer_ids: Sequence[int], kv_slots: int, page_size: int, kv_heads: int, head_dim: int, dtype,
-                 device, num_req_slots: int, with_surprisal: bool):
+    def __init__(
+        self,
+        layer_ids: Sequence[int],
+        kv_slots: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        num_req_slots: int,
+        with_surprisal: bool,
+    ):
         self.page_size = page_size
         self.layer_ids = list(layer_ids)
         self._row = {layer_id: i for i, layer_id in enumerate(self.layer_ids)}

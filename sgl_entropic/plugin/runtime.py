@@ -87,13 +87,21 @@ class Runtime:
         (/server_info entropic.degraded_steps, /metrics sglang:entropic_degraded_steps_total)."""
         n = self.degraded[where] = self.degraded.get(where, 0) + 1
         if n == 1:
-            logger.error("sgl-entropic: %s failed; the step runs without it and its trace values are null (logged "
-                         "once; later faults here are only counted)", where, exc_info=sys.exc_info()[0] is not None)
+            logger.error(
+                "sgl-entropic: %s failed; the step runs without it and its trace values are null (logged "
+                "once; later faults here are only counted)",
+                where,
+                exc_info=sys.exc_info()[0] is not None,
+            )
         if self.metrics is not None:
             self.metrics.degraded.labels(where=where).inc()
 
-    def new_request_state(self, controller: Optional[ControllerState], mirostat: Optional[MirostatState],
-                          speculation: Optional[RequestSpeculation] = None) -> RequestState:
+    def new_request_state(
+        self,
+        controller: Optional[ControllerState],
+        mirostat: Optional[MirostatState],
+        speculation: Optional[RequestSpeculation] = None,
+    ) -> RequestState:
         self.arrivals += 1
         state = RequestState(
             trace=EntropyTrace(keep_lists=False),

@@ -57,16 +57,18 @@ class BatchRows:
     forward_iter: Optional[int] = None  # SGLang's number of the batch: its result is processed by it
 
     @classmethod
-    def of(cls, reqs: Sequence, produces: Sequence[bool], decode: bool = True,
-           forward_iter: Optional[int] = None) -> "BatchRows":
+    def of(
+        cls, reqs: Sequence, produces: Sequence[bool], decode: bool = True, forward_iter: Optional[int] = None
+    ) -> "BatchRows":
         states = [getattr(r, "entropic", None) if p else None for r, p in zip(reqs, produces)]
         return cls(list(reqs), list(produces), states, decode, forward_iter=forward_iter)
 
     def drop_released(self) -> None:
         """Under the overlap scheduler a request can finish, and SGLang free its request slot, while
         its last (discarded) step is being sampled: such rows are not controlled or recorded."""
-        self.states = [s if s is not None and r.kv.req_pool_idx is not None else None
-                       for r, s in zip(self.reqs, self.states)]
+        self.states = [
+            s if s is not None and r.kv.req_pool_idx is not None else None for r, s in zip(self.reqs, self.states)
+        ]
 
     def positions(self, kind: str) -> list[int]:
         """Rows whose state has a `controller` or a `mirostat`."""
@@ -87,8 +89,9 @@ class ControllerTable:
         if not todo:
             return
         table, names = (self.entropic, CONTROLLER_FIELDS) if kind == "controller" else (self.mirostat, MIROSTAT_FIELDS)
-        values = to_device([[float(getattr(getattr(s, kind), n)) for n in names] for _, s in todo], table.device,
-                           torch.float32)
+        values = to_device(
+            [[float(getattr(getattr(s, kind), n)) for n in names] for _, s in todo], table.device, torch.float32
+        )
         table[:, to_device([slot for slot, _ in todo], table.device)] = values.t()
         for slot, s in todo:
             self._holder[slot] = s.arrival_seq
@@ -104,8 +107,15 @@ class SamplingStep:
     distribution (full, before top-k/top-p/min-p) and recorded.
     """
 
-    def __init__(self, rows: BatchRows, req_pool_indices: torch.Tensor, sampling_info, logits: torch.Tensor,
-                 table: ControllerTable, scratch: Optional[Scratch] = None):
+    def __init__(
+        self,
+        rows: BatchRows,
+        req_pool_indices: torch.Tensor,
+        sampling_info,
+        logits: torch.Tensor,
+        table: ControllerTable,
+        scratch: Optional[Scratch] = None,
+    ):
         rows.drop_released()
         self.rows = rows
         device = logits.device
@@ -130,8 +140,11 @@ class SamplingStep:
         self.mirostat_rows = rows.positions("mirostat")
         if self.mirostat_rows:
             pos, slots = self._index(self.mirostat_rows, req_pool_indices, device)
-            table.load([rows.reqs[i].kv.req_pool_idx for i in self.mirostat_rows],
-                       [rows.states[i] for i in self.mirostat_rows], "mirostat")
+            table.load(
+                [rows.reqs[i].kv.req_pool_idx for i in self.mirostat_rows],
+                [rows.states[i] for i in self.mirostat_rows],
+                "mirostat",
+            )
             z = logits.index_select(0, pos)
             self.mirostat = MirostatBatch(*table.mirostat.index_select(1, slots))
             self.mirostat_index = (pos, slots)
@@ -143,8 +156,9 @@ class SamplingStep:
         pos = to_device(positions, device)
         return pos, req_pool_indices.to(device).index_select(0, pos).long()
 
-    def record(self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int],
-               scratch: Optional[Scratch] = None) -> tuple[TokenStats, "PendingRecord"]:
+    def record(
+        self, snapshot: torch.Tensor, token_ids: torch.Tensor, seq_lens: list[int], scratch: Optional[Scratch] = None
+    ) -> tuple[TokenStats, "PendingRecord"]:
         """Measure the sampled rows on the device and start their one transfer to the host (not waited for)."""
         stats = token_stats(snapshot, token_ids, None, scratch)  # the snapshot is scaled by inv_request_t
         columns = [stats.entropy, stats.surprisal, stats.valid.float(), self.used_t]
@@ -200,9 +214,21 @@ class PendingRecord:
                 state.decode_skips = state.parked_before_token = 0
             fraction = attended[i] if attended is not None else 1.0
             cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction), self.seq_lens[i])
-            record_token(rt, self.rows.reqs[i], state, tally, entropy[i], surprisal[i], valid[i] > 0, used_t[i], cost,
-                         parked=self.parked[i], attended=fraction, decode=self.rows.decode,
-                         **(self.plain_drafts(i) if rt.config.speculative_on else {}))
+            record_token(
+                rt,
+                self.rows.reqs[i],
+                state,
+                tally,
+                entropy[i],
+                surprisal[i],
+                valid[i] > 0,
+                used_t[i],
+                cost,
+                parked=self.parked[i],
+                attended=fraction,
+                decode=self.rows.decode,
+                **(self.plain_drafts(i) if rt.config.speculative_on else {}),
+            )
             state.last_step_entropy = entropy[i] if valid[i] > 0 else None
         tally.report(rt)
 
@@ -235,8 +261,6 @@ def committed_tokens(req, n: int) -> int:
     """Of `n` tokens a step produced for `req`, those that are its own (SGLang cuts what passes max_new_tokens)."""
     left = req.sampling_params.max_new_tokens - len(req.output_ids)
     return max(1, min(n, left)) if left > 0 else n
-
-
 
 
 def token_count(req) -> int:
@@ -273,9 +297,21 @@ class StepTally:
             rt.metrics.observe(self.measured, self.tau, self.flops, self.fractions, self.temperatures, self.parked)
 
 
-def record_token(rt: Runtime, req, state: RequestState, tally: StepTally, entropy: float, surprisal: float, ok: bool,
-                 temperature: float, cost: float, parked: int = 0, attended: float = 1.0, decode: bool = True,
-                 **extra) -> None:
+def record_token(
+    rt: Runtime,
+    req,
+    state: RequestState,
+    tally: StepTally,
+    entropy: float,
+    surprisal: float,
+    ok: bool,
+    temperature: float,
+    cost: float,
+    parked: int = 0,
+    attended: float = 1.0,
+    decode: bool = True,
+    **extra,
+) -> None:
     """One committed token: its trace (tau, cost), the gain memory, the per-token values for the client."""
     trace = state.trace
     if state.controller is not None:
@@ -354,8 +390,11 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
         step = SamplingStep(rows, fb.req_pool_indices, sampling_info, logits, rt.controllers, rt.scratch)
         # The sampler turns logits into probabilities in place, except in an all-greedy batch without custom
         # processors (argmax; at most its NaN guard rewrites non-finite entries): there, no copy is needed.
-        snapshot = logits if keeps_logits(sampling_info, step.inv_request_t) else rt.scratch.snapshot(
-            logits, step.inv_request_t)
+        snapshot = (
+            logits
+            if keeps_logits(sampling_info, step.inv_request_t)
+            else rt.scratch.snapshot(logits, step.inv_request_t)
+        )
     except Exception:
         rt.fault("the sampling step's controller (sampled without control)")
         token_ids = original(sampler, logits_output, sampling_info, *args, **kwargs)
@@ -380,8 +419,12 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
 def keeps_logits(sampling_info, inv_request_t: torch.Tensor) -> bool:
     """Whether the sampler leaves this batch's logits as they are and every row is measured at T = 1 (a CPU
     batch only: the check reads the temperatures, a device sync on a GPU, where the copy is cheap anyway)."""
-    return (inv_request_t.is_cpu and sampling_info.is_all_greedy and not sampling_info.has_custom_logit_processor
-            and bool((inv_request_t == 1).all()))
+    return (
+        inv_request_t.is_cpu
+        and sampling_info.is_all_greedy
+        and not sampling_info.has_custom_logit_processor
+        and bool((inv_request_t == 1).all())
+    )
 
 
 def before_process_batch_result(scheduler, batch, *args, **kwargs):
@@ -393,8 +436,11 @@ def before_process_batch_result(scheduler, batch, *args, **kwargs):
 def finish_pending(rt: Runtime, forward_iter: Optional[int] = None) -> None:
     """Finish pending records in order, those of batches up to `forward_iter` (None: all). A record that fails
     leaves each of its rows with exactly the tokens it committed, null where a value is missing."""
-    while rt.pending and (forward_iter is None or rt.pending[0].rows.forward_iter is None
-                          or rt.pending[0].rows.forward_iter <= forward_iter):
+    while rt.pending and (
+        forward_iter is None
+        or rt.pending[0].rows.forward_iter is None
+        or rt.pending[0].rows.forward_iter <= forward_iter
+    ):
         pending = rt.pending.popleft()
         try:
             counts = pending.tokens()

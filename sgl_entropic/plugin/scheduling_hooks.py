@@ -59,9 +59,18 @@ def _views(rt: Runtime, reqs, running: bool) -> Optional[list[RequestView]]:
             uncached = max(0, len(r.origin_input_ids) + len(r.output_ids) - r.num_matched_prefix_tokens)
             work = remaining_work(uncached, _output(r, cfg), cfg)
             pages, skips = 0, 0
-        views.append(RequestView(rid=r.rid, arrival_seq=s.arrival_seq, age=max(0.0, rt.served - s.arrival_work),
-                                 work=work, expected_gain=s.gain.expected_gain, kv_pages=pages, skips=skips,
-                                 tier=tier))
+        views.append(
+            RequestView(
+                rid=r.rid,
+                arrival_seq=s.arrival_seq,
+                age=max(0.0, rt.served - s.arrival_work),
+                work=work,
+                expected_gain=s.gain.expected_gain,
+                kv_pages=pages,
+                skips=skips,
+                tier=tier,
+            )
+        )
     return views
 
 

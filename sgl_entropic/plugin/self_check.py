@@ -36,8 +36,17 @@ class SelfCheck:
         return {"ok": self.ok, "error": self.error, "max_abs_error": self.max_abs_error}
 
 
-def run_self_check(attend: Callable, heads_q: int, heads_kv: int, dim: int, dtype, cfg: PruningConfig,
-                   device="cpu", lengths: tuple[int, ...] = (1000, 701), seed: int = 0) -> SelfCheck:
+def run_self_check(
+    attend: Callable,
+    heads_q: int,
+    heads_kv: int,
+    dim: int,
+    dtype,
+    cfg: PruningConfig,
+    device="cpu",
+    lengths: tuple[int, ...] = (1000, 701),
+    seed: int = 0,
+) -> SelfCheck:
     """Run `attend(q, k_cache, v_cache, plan, kmin, kmax, scale) -> (out, kept)` (the backend's path)
     on synthetic KV and compare (module doc)."""
     from sgl_entropic.plugin.page_store import PageStore
@@ -56,20 +65,25 @@ def run_self_check(attend: Callable, heads_q: int, heads_kv: int, dim: int, dtyp
         for b, n in enumerate(lengths):
             slots = (page_table[b, :, None] * p + torch.arange(p, device=device)).flatten()[:n]
             store.write_keys(0, slots, k[slots])
-        scale = dim ** -0.5
+        scale = dim**-0.5
         # the pruned step at the budget an unknown entropy gives, from any length
         pruned_cfg = cfg.model_copy(update={"min_context": 0})
         errors = {}
-        for name, rows in (("pruned", [row_pages(n, math.nan, pruned_cfg) for n in lengths]),
-                           ("keep_all", [all_pages(n, p) for n in lengths])):
+        for name, rows in (
+            ("pruned", [row_pages(n, math.nan, pruned_cfg) for n in lengths]),
+            ("keep_all", [all_pages(n, p) for n in lengths]),
+        ):
             plan = StepPlan.build(rows, page_table, per_head=cfg.per_head)
             out, kept = attend(q, k, v, plan, store.kmin[0], store.kmax[0], scale)
             errors[name] = _max_error(q, k, v, plan, kept, out, scale)
         limit = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
         worst = max(errors.values())
         if not worst <= limit:  # NaN fails too
-            return SelfCheck(False, f"sparse decode differs from exact attention by {worst:.3g} (> {limit:g} for "
-                                    f"{dtype}) on synthetic KV", errors)
+            return SelfCheck(
+                False,
+                f"sparse decode differs from exact attention by {worst:.3g} (> {limit:g} for {dtype}) on synthetic KV",
+                errors,
+            )
         return SelfCheck(True, None, errors)
     except Exception as err:  # whatever broke, the server must not serve this path
         return SelfCheck(False, f"sparse decode failed on synthetic KV: {type(err).__name__}: {err}")

@@ -30,7 +30,9 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
     if rt.config.scheduling_on:
         result[ENTROPIC_KEY]["scheduling"] = applied_order(rt, scheduler)
         if rt.config.entropic_order:
-            result["schedule_policy"] = "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
+            result["schedule_policy"] = (
+                "entropic"  # /server_info reports the order that runs, not SGLang's fcfs under it
+            )
     if rt.config.pruning_on and rt.probe is not None:
         probe = rt.probe
         result[ENTROPIC_KEY]["pruning"] = {
@@ -39,9 +41,15 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
             "self_check": probe.check.as_json(),
             # one decode step's attention over every layer, ms: SGLang's dense loop, our kernel over every
             # page, our pruned path (against the better dense one)
-            "crossover_ms": [{"context": k.context, "dense": k.dense_s * 1e3, "kernel_all_pages": k.sparse_s * 1e3,
-                              "pruned": t.sparse_s * 1e3 if t else None}
-                             for k, t in itertools.zip_longest(probe.kernel_timings, probe.timings)],
+            "crossover_ms": [
+                {
+                    "context": k.context,
+                    "dense": k.dense_s * 1e3,
+                    "kernel_all_pages": k.sparse_s * 1e3,
+                    "pruned": t.sparse_s * 1e3 if t else None,
+                }
+                for k, t in itertools.zip_longest(probe.kernel_timings, probe.timings)
+            ],
             "page_store_bytes": rt.pages.nbytes if rt.pages is not None else 0,
         }
     return result

@@ -28,15 +28,33 @@ import torch
 from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.sampling_step import (_STEPS, _T, NO_DRAFT, BatchRows, ControllerTable, NullRecord,
-                                               PendingRecord, StepTally, committed_tokens, record_token)
+from sgl_entropic.plugin.sampling_step import (
+    _STEPS,
+    _T,
+    NO_DRAFT,
+    BatchRows,
+    ControllerTable,
+    NullRecord,
+    PendingRecord,
+    StepTally,
+    committed_tokens,
+    record_token,
+)
 from sgl_entropic.sampling import ControllerBatch
 from sgl_entropic.signal import token_stats
 from sgl_entropic.transfer import to_device
 from sgl_entropic.plugin.drafts import RequestTries
 from sgl_entropic.plugin.step_costs import load_or_measure
-from sgl_entropic.speculative import (DraftSizer, StepCosts, capped_candidates, draft_acceptance, draft_trials,
-                                      offered_drafts, tree_parents, tree_temperatures)
+from sgl_entropic.speculative import (
+    DraftSizer,
+    StepCosts,
+    capped_candidates,
+    draft_acceptance,
+    draft_trials,
+    offered_drafts,
+    tree_parents,
+    tree_temperatures,
+)
 
 
 @dataclass
@@ -83,18 +101,31 @@ class Speculation:
     def summary(self) -> dict:
         """`/server_info` -> internal_states[i].entropic.speculative."""
         per = lambda x, n: x / n if n else None  # noqa: E731
-        return {"rule": self.sizer.rule, "drafts": "server" if self.tries is None else "request",
-                "max_width": self.sizer.max_width, "verify_steps": self.steps,
+        return {
+            "rule": self.sizer.rule,
+            "drafts": "server" if self.tries is None else "request",
+            "max_width": self.sizer.max_width,
+            "verify_steps": self.steps,
+            "plain_steps": self.plain_steps,
+            "mean_width": per(self.verified, self.rows),
+            "drafted_per_row_step": per(self.drafted, self.rows),
+            "accepted_per_row_step": per(self.accepted, self.rows),
+            "verified_per_committed_token": per(self.verified, self.committed),
+            "step_costs": self.sizer.costs.table(),
+            "totals": {
+                "verify_steps": self.steps,
                 "plain_steps": self.plain_steps,
-                "mean_width": per(self.verified, self.rows), "drafted_per_row_step": per(self.drafted, self.rows),
-                "accepted_per_row_step": per(self.accepted, self.rows),
-                "verified_per_committed_token": per(self.verified, self.committed),
-                "step_costs": self.sizer.costs.table(),
-                "totals": {"verify_steps": self.steps, "plain_steps": self.plain_steps, "rows": self.rows,
-                           "verified": self.verified, "drafted": self.drafted, "accepted": self.accepted,
-                           "committed": self.committed, "corpus_drafted": self.corpus_drafted,
-                           "corpus_accepted": self.corpus_accepted, "shadow_tried": self.shadow_tried,
-                           "shadow_right": self.shadow_right}}
+                "rows": self.rows,
+                "verified": self.verified,
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "committed": self.committed,
+                "corpus_drafted": self.corpus_drafted,
+                "corpus_accepted": self.corpus_accepted,
+                "shadow_tried": self.shadow_tried,
+                "shadow_right": self.shadow_right,
+            },
+        }
 
 
 def after_alloc_memory_pool(result, worker, *args, **kwargs):
@@ -183,7 +214,8 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
         from_corpus, firsts = [False] * bs, None  # SGLang's own match mixes its trie and the corpora
     else:
         drafts, mask, from_corpus, firsts = spec.tries.drafts(
-            worker, batch, frozenset(i for i, r in enumerate(rules) if r == "off"))
+            worker, batch, frozenset(i for i, r in enumerate(rules) if r == "off")
+        )
         worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
     offers = [min(k, c) for k, c in zip(offered_drafts(drafts, mask).tolist(), caps)]
@@ -195,9 +227,17 @@ def plan(rt: Runtime, spec: "Speculation", worker, batch) -> VerifyStep:
     capped = None if all(c == full - 1 for c in caps) else caps
     width = spec.sizer.width(offers, acceptance, batch.seq_lens_cpu.tolist(), plain, own_rules, capped)
     first_draft = drafts[:, min(1, full - 1)].copy()  # read at the step's end; the corpus's arrays are its own
-    return VerifyStep(width, offers, np.ascontiguousarray(drafts[:, :width]),
-                      np.ascontiguousarray(mask[:, :width, :width]), first_draft, plain and width == 1,
-                      None if capped is None or width == 1 else capped, from_corpus, firsts)
+    return VerifyStep(
+        width,
+        offers,
+        np.ascontiguousarray(drafts[:, :width]),
+        np.ascontiguousarray(mask[:, :width, :width]),
+        first_draft,
+        plain and width == 1,
+        None if capped is None or width == 1 else capped,
+        from_corpus,
+        firsts,
+    )
 
 
 def request_choices(states, rule: str, most: int) -> tuple[list[str], list[int]]:
@@ -229,21 +269,40 @@ def build_verify(rt: Runtime, step: VerifyStep, worker, batch) -> None:
         links = [torch.empty((bs, width), dtype=torch.int64, device=device) for _ in range(3)]
         nw.reconstruct_indices_from_tree_mask_func(tree_mask, batch.seq_lens, positions, *links, bs, width)
         if nw.USE_FULL_MASK and not nw._is_cpu:  # FlashInfer reads each row's prefix columns too
-            tree_mask = torch.cat([torch.cat((torch.ones(width, int(n), device=device, dtype=torch.bool),
-                                              mask[b].to(device=device, dtype=torch.bool)), dim=1).flatten()
-                                   for b, n in enumerate(batch.seq_lens_cpu.tolist())])
+            tree_mask = torch.cat(
+                [
+                    torch.cat(
+                        (
+                            torch.ones(width, int(n), device=device, dtype=torch.bool),
+                            mask[b].to(device=device, dtype=torch.bool),
+                        ),
+                        dim=1,
+                    ).flatten()
+                    for b, n in enumerate(batch.seq_lens_cpu.tolist())
+                ]
+            )
         batch.forward_mode = nw.ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
         batch.out_cache_loc = nw.assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
-            start_offset=batch.seq_lens, end_offset=batch.seq_lens + width, batch_size=bs, draft_token_num=width,
-            device=device)
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            end_offset=batch.seq_lens + width,
+            batch_size=bs,
+            draft_token_num=width,
+            device=device,
+        )
         nw.prepare_mamba_track_for_verify(batch)
         batch.spec_info = nw.NgramVerifyInput(
-            draft_token=draft_tokens, custom_mask=tree_mask, positions=positions, retrieve_index=links[0],
-            retrieve_next_token=links[1], retrieve_next_sibling=links[2], draft_token_num=width)
-        worker.grammar_tree_host = (mask.reshape(-1).numpy(), drafts.reshape(-1).numpy()) if batch.has_grammar \
-            else None
+            draft_token=draft_tokens,
+            custom_mask=tree_mask,
+            positions=positions,
+            retrieve_index=links[0],
+            retrieve_next_token=links[1],
+            retrieve_next_sibling=links[2],
+            draft_token_num=width,
+        )
+        worker.grammar_tree_host = (mask.reshape(-1).numpy(), drafts.reshape(-1).numpy()) if batch.has_grammar else None
 
     rt.times.sglang(build)
     worker.draft_token_num = width  # the rest of the step reads it (the mamba commit, the next draft input)
@@ -262,8 +321,14 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
 
     def prepare():  # node 0 of every row at its slot, as plain decoding's prepare_for_decode leaves the batch
         batch.out_cache_loc = nw.assign_extend_cache_locs_func(
-            req_pool_indices=batch.req_pool_indices, req_to_token=batch.req_to_token_pool.req_to_token,
-            start_offset=committed, end_offset=committed + 1, batch_size=bs, draft_token_num=1, device=device)
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=committed,
+            end_offset=committed + 1,
+            batch_size=bs,
+            draft_token_num=1,
+            device=device,
+        )
         batch.input_ids = torch.from_numpy(step.drafts[:, 0].astype(np.int64)).to(device)
         batch.seq_lens, batch.seq_lens_cpu = committed + 1, batch.seq_lens_cpu + 1
         batch.orig_seq_lens, batch.seq_lens_sum = batch.orig_seq_lens + 1, None
@@ -271,8 +336,9 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
 
     rt.times.sglang(prepare)
     try:
-        result = rt.times.sglang(worker.target_worker.forward_batch_generation, batch,
-                                 pp_proxy_tensors=pp_proxy_tensors)
+        result = rt.times.sglang(
+            worker.target_worker.forward_batch_generation, batch, pp_proxy_tensors=pp_proxy_tensors
+        )
     finally:
         batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum = kept
     if rt.pending and isinstance(rt.pending[-1], PendingRecord):  # this step's, queued by the sampler
@@ -311,11 +377,16 @@ def plain_step(rt: Runtime, spec: "Speculation", worker, batch, on_publish=None,
     except Exception:
         rt.fault("the plain step's draft record")
     return GenerationBatchResult(
-        logits_output=result.logits_output, next_token_ids=accept_tokens,
-        can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=accept_lens, new_seq_lens=new_seq_lens,
-        next_draft_input=nw.NgramVerifyInput(draft_token_num=full, new_seq_lens=new_seq_lens,
-                                             accept_tokens=accept_tokens, accept_lens=accept_lens),
-        speculative_num_draft_tokens=worker.speculative_num_draft_tokens)
+        logits_output=result.logits_output,
+        next_token_ids=accept_tokens,
+        can_run_cuda_graph=result.can_run_cuda_graph,
+        accept_lens=accept_lens,
+        new_seq_lens=new_seq_lens,
+        next_draft_input=nw.NgramVerifyInput(
+            draft_token_num=full, new_seq_lens=new_seq_lens, accept_tokens=accept_tokens, accept_lens=accept_lens
+        ),
+        speculative_num_draft_tokens=worker.speculative_num_draft_tokens,
+    )
 
 
 def widen(result, width: int, full: int) -> None:
@@ -362,8 +433,9 @@ def around_eagle_sample(original, verify_input, batch, logits_output, grammar_ma
 
 
 def verify_rows(batch) -> BatchRows:
-    rows = BatchRows.of(batch.reqs, [True] * len(batch.reqs), decode=True,
-                        forward_iter=getattr(batch, "forward_iter", None))
+    rows = BatchRows.of(
+        batch.reqs, [True] * len(batch.reqs), decode=True, forward_iter=getattr(batch, "forward_iter", None)
+    )
     rows.drop_released()
     return rows
 
@@ -411,16 +483,23 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
         slots = batch.req_pool_indices.index_select(0, pos).long()
         table.load([rows.reqs[i].kv.req_pool_idx for i in ctrl], [rows.states[i] for i in ctrl], "controller")
         controllers = ControllerBatch(*table.entropic.index_select(1, slots))
-        node_t.index_copy_(0, pos, tree_temperatures(logits.view(bs, width, -1).index_select(0, pos),
-                                                     step.parent.index_select(0, pos), controllers))
+        node_t.index_copy_(
+            0,
+            pos,
+            tree_temperatures(
+                logits.view(bs, width, -1).index_select(0, pos), step.parent.index_select(0, pos), controllers
+            ),
+        )
 
     def sample():  # every node from its own distribution, by SGLang's sampler; then SGLang's walk
         if info.is_all_greedy:
             target = logits.argmax(dim=-1)
         else:  # softmax at the node's temperature, then the request's top-k/top-p/min-p and seed
             probs = torch.softmax(logits.float() / node_t.view(-1, 1), dim=-1)
-            per_node = {name: getattr(info, name).repeat_interleave(width, dim=0)
-                        for name in ("temperatures", "top_ps", "top_ks", "min_ps")}
+            per_node = {
+                name: getattr(info, name).repeat_interleave(width, dim=0)
+                for name in ("temperatures", "top_ps", "top_ks", "min_ps")
+            }
             if info.sampling_seed is not None:
                 per_node["sampling_seed"] = info.sampling_seed.repeat_interleave(width, dim=0)
             node_info = dataclasses.replace(info, sampling_mask_batch_indices=None, **per_node)
@@ -432,12 +511,17 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
         predict = torch.zeros(bs * width, dtype=torch.int32, device=logits.device)
         accept_index = torch.full((bs, width), -1, dtype=torch.int32, device=logits.device)
         num_correct = torch.empty((bs,), dtype=torch.int32, device=logits.device)
-        verify_tree_greedy_func(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
-                                candidates=candidates,
-                                retrieve_index=verify_input.retrieve_index,
-                                retrieve_next_token=verify_input.retrieve_next_token,
-                                retrieve_next_sibling=verify_input.retrieve_next_sibling,
-                                target_predict=target.view(bs, width), topk=verify_input.tree_topk)
+        verify_tree_greedy_func(
+            predicts=predict,
+            accept_index=accept_index,
+            accept_token_num=num_correct,
+            candidates=candidates,
+            retrieve_index=verify_input.retrieve_index,
+            retrieve_next_token=verify_input.retrieve_next_token,
+            retrieve_next_sibling=verify_input.retrieve_next_sibling,
+            target_predict=target.view(bs, width),
+            topk=verify_input.tree_topk,
+        )
         tp_group = get_parallel().tp_group
         if tp_group.world_size > 1:  # ranks may sample differently: rank 0's verdict stands, as in eagle_sample
             for t in (predict, accept_index, num_correct, target):
@@ -446,11 +530,23 @@ def verify(rt: Runtime, step: VerifyStep, verify_input, batch, logits: torch.Ten
 
     target, predict, accept_index, accept_lens = sglang(sample)
     return (predict, accept_lens, accept_index), functools.partial(
-        record, rt, step, rows, logits, node_t, greedy, target, accept_index, accept_lens, ctrl, batch)
+        record, rt, step, rows, logits, node_t, greedy, target, accept_index, accept_lens, ctrl, batch
+    )
 
 
-def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greedy, target, accept_index,
-           accept_lens, ctrl: list[int], batch) -> "VerifyRecord":
+def record(
+    rt: Runtime,
+    step: VerifyStep,
+    rows: BatchRows,
+    logits,
+    node_t,
+    greedy,
+    target,
+    accept_index,
+    accept_lens,
+    ctrl: list[int],
+    batch,
+) -> "VerifyRecord":
     """The committed nodes' signal, the controllers' state after the step, one host transfer.
 
     A committed node's token is its sample (`target`). On CPU only the committed nodes are measured and the rest
@@ -474,18 +570,26 @@ def record(rt: Runtime, step: VerifyStep, rows: BatchRows, logits, node_t, greed
         at = logits.narrow(0, int(keep[0]), len(keep)) if contiguous(keep) else logits.index_select(0, keep)
         measured = token_stats(at, target.index_select(0, keep), inv_t, rt.scratch)
         host = np.zeros((6, bs, width), dtype=np.float32)
-        host[:, committed] = np.stack([measured.entropy.numpy(), measured.surprisal.numpy(),
-                                       measured.valid.numpy(), np.where(row_greedy, 0.0, temps.numpy()),
-                                       np.ones(len(keep)), target.index_select(0, keep).numpy()])
+        host[:, committed] = np.stack(
+            [
+                measured.entropy.numpy(),
+                measured.surprisal.numpy(),
+                measured.valid.numpy(),
+                np.where(row_greedy, 0.0, temps.numpy()),
+                np.ones(len(keep)),
+                target.index_select(0, keep).numpy(),
+            ]
+        )
         return VerifyRecord(rows, host, None, batch.seq_lens_cpu.tolist(), step)
     committed = accept_index >= 0
     nodes = accept_index.long().clamp_min(0).view(-1)  # flat node index per committed position (0 beyond)
     inv_t = torch.where(greedy[:, None], 1.0, 1.0 / node_t).view(-1)
     measured = token_stats(logits, target, inv_t)
     used_t = torch.where(greedy[:, None], 0.0, node_t).view(-1)
-    values = torch.stack([x.float().gather(0, nodes) for x in (measured.entropy, measured.surprisal, measured.valid,
-                                                                used_t)] + [committed.float().view(-1),
-                                                                            target.float().gather(0, nodes)])
+    values = torch.stack(
+        [x.float().gather(0, nodes) for x in (measured.entropy, measured.surprisal, measured.valid, used_t)]
+        + [committed.float().view(-1), target.float().gather(0, nodes)]
+    )
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
     host.copy_(values, non_blocking=True)
     ready = None
@@ -520,8 +624,10 @@ class VerifyRecord:
         return [int(sum(c)) - 1 for c in self.host[4].tolist()]
 
     def tokens(self) -> list[int]:
-        return [committed_tokens(r, a + 1) if s is not None else 0
-                for r, s, a in zip(self.rows.reqs, self.rows.states, self.accepted)]
+        return [
+            committed_tokens(r, a + 1) if s is not None else 0
+            for r, s, a in zip(self.rows.reqs, self.rows.states, self.accepted)
+        ]
 
     def finish(self, rt: Runtime) -> None:
         accepted, counts = self.accepted, self.tokens()
@@ -539,10 +645,27 @@ class VerifyRecord:
             measured = []
             for j in range(n):
                 ok = valid[i][j] > 0
-                record_token(rt, req, state, self.tally, entropy[i][j], surprisal[i][j], ok, used_t[i][j],
-                             work if j == 0 else 0.0,
-                             **(NO_DRAFT if j else {"offered": step.offers[i], "drafted": drafted[i],
-                                                    "accepted": accepted[i], "draft_source": source(step, i, drafted[i])}))
+                record_token(
+                    rt,
+                    req,
+                    state,
+                    self.tally,
+                    entropy[i][j],
+                    surprisal[i][j],
+                    ok,
+                    used_t[i][j],
+                    work if j == 0 else 0.0,
+                    **(
+                        NO_DRAFT
+                        if j
+                        else {
+                            "offered": step.offers[i],
+                            "drafted": drafted[i],
+                            "accepted": accepted[i],
+                            "draft_source": source(step, i, drafted[i]),
+                        }
+                    ),
+                )
                 if ok:
                     measured.append(entropy[i][j])
             if state.controller is not None:
@@ -588,5 +711,7 @@ def penalized(reqs) -> list[bool]:
 def refuse_request(sampling_params, mirostat: bool) -> None:
     """What verification cannot keep exact is refused (ValueError -> HTTP 400), never silently relaxed."""
     if mirostat:
-        raise ValueError("custom_params.entropic.controller: mirostat_v2 is not served under speculative decoding "
-                         "(the entropic controller is)")
+        raise ValueError(
+            "custom_params.entropic.controller: mirostat_v2 is not served under speculative decoding "
+            "(the entropic controller is)"
+        )

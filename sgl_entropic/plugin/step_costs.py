@@ -71,12 +71,20 @@ def key_of(model_runner, max_width: int) -> dict:
     code = hashlib.sha256(b"".join((root / f).read_bytes() for f in TIMED_CODE)).hexdigest()[:16]
     cfg = model_runner.model_config.hf_config
     device = torch.device(model_runner.device)
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
-            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "code": code, "model": type(model_runner.model).__name__,
-            "config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else str(cfg),
-            "dtype": str(model_runner.dtype), "kv_dtype": str(model_runner.kv_cache_dtype), "max_width": max_width,
-            "tokens": TOKENS, "contexts": CONTEXTS}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "code": code,
+        "model": type(model_runner.model).__name__,
+        "config": json.loads(cfg.to_json_string()) if hasattr(cfg, "to_json_string") else str(cfg),
+        "dtype": str(model_runner.dtype),
+        "kv_dtype": str(model_runner.kv_cache_dtype),
+        "max_width": max_width,
+        "tokens": TOKENS,
+        "contexts": CONTEXTS,
+    }
 
 
 def measure(model_runner, max_width: int) -> Optional[StepCosts]:
@@ -87,11 +95,18 @@ def measure(model_runner, max_width: int) -> Optional[StepCosts]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     linears, layers = _layers(model)
     head = getattr(getattr(model, "lm_head", None), "weight", None)
-    if not linears or head is None or any(getattr(m, "weight", None) is None or m.weight.dim() != 2
-                                          or not m.weight.is_floating_point() for m in linears):
+    if (
+        not linears
+        or head is None
+        or any(
+            getattr(m, "weight", None) is None or m.weight.dim() != 2 or not m.weight.is_floating_point()
+            for m in linears
+        )
+    ):
         return None
-    inputs = {n: [torch.randn(n, m.weight.shape[1], dtype=m.weight.dtype, device=device) for m in linears]
-              for n in TOKENS}
+    inputs = {
+        n: [torch.randn(n, m.weight.shape[1], dtype=m.weight.dtype, device=device) for m in linears] for n in TOKENS
+    }
     hidden = {n: torch.randn(n, head.shape[1], dtype=head.dtype, device=device) for n in TOKENS}
 
     def forward(n: int):
@@ -99,12 +114,14 @@ def measure(model_runner, max_width: int) -> Optional[StepCosts]:
             with torch.inference_mode():
                 for m, x in zip(linears, inputs[n]):
                     m(x)
+
         return run
 
     def head_pass(n: int):
         def run():
             with torch.inference_mode():
                 torch.log_softmax((hidden[n] @ head.T).float(), dim=-1)
+
         return run
 
     gemm = tuple(layers * _fastest(forward(n), sync) + _fastest(head_pass(n), sync) for n in TOKENS)
@@ -119,11 +136,14 @@ def measure(model_runner, max_width: int) -> Optional[StepCosts]:
         for n in CONTEXTS:
             k, v = (torch.randn(n + width, heads_kv, dim, device=device).to(dtype) for _ in range(2))
             q = torch.randn(width, heads_q, dim, device=device).to(model_runner.dtype)
-            rows = verify_rows(torch.arange(n + width, device=device)[None], torch.zeros(1, dtype=torch.long,
-                                                                                         device=device), [n],
-                               torch.ones(width, width, dtype=torch.bool, device=device).tril()[None],
-                               torch.arange(n, n + width, device=device)[None])
-            row.append(layers * _fastest(lambda: tree_verify_attention(q, k, v, rows, dim ** -0.5), sync))
+            rows = verify_rows(
+                torch.arange(n + width, device=device)[None],
+                torch.zeros(1, dtype=torch.long, device=device),
+                [n],
+                torch.ones(width, width, dtype=torch.bool, device=device).tril()[None],
+                torch.arange(n, n + width, device=device)[None],
+            )
+            row.append(layers * _fastest(lambda: tree_verify_attention(q, k, v, rows, dim**-0.5), sync))
         attention.append(tuple(row))
     return StepCosts(TOKENS, gemm, CONTEXTS, (1, max_width), (attention[0], attention[1]))
 
@@ -136,24 +156,50 @@ def load_or_measure(model_runner, max_width: int) -> StepCosts:
     path = timings_file(costs_dir(), key)
     try:
         kept = json.loads(path.read_text())["costs"]
-        costs = StepCosts(tuple(kept["tokens"]), tuple(kept["gemm"]), tuple(kept["contexts"]), tuple(kept["widths"]),
-                          tuple(tuple(a) for a in kept["attention"]))
+        costs = StepCosts(
+            tuple(kept["tokens"]),
+            tuple(kept["gemm"]),
+            tuple(kept["contexts"]),
+            tuple(kept["widths"]),
+            tuple(tuple(a) for a in kept["attention"]),
+        )
         how = "as timed before, in"
     except (OSError, ValueError, KeyError, TypeError):
         measured = measure(model_runner, max_width)
         if measured is None:
-            logger.warning("sgl-entropic: the model's layers are not plain weight matrices; the entropy draft rule "
-                           "has no cost table and verifies every draft the trie offers")
+            logger.warning(
+                "sgl-entropic: the model's layers are not plain weight matrices; the entropy draft rule "
+                "has no cost table and verifies every draft the trie offers"
+            )
             return StepCosts()
         costs, how = measured, "timed now, kept in"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "costs": {
-            "tokens": costs.tokens, "gemm": costs.gemm, "contexts": costs.contexts, "widths": costs.widths,
-            "attention": costs.attention}}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "key": key,
+                    "costs": {
+                        "tokens": costs.tokens,
+                        "gemm": costs.gemm,
+                        "contexts": costs.contexts,
+                        "widths": costs.widths,
+                        "attention": costs.attention,
+                    },
+                },
+                indent=1,
+            )
+        )
         tmp.replace(path)  # atomic: servers starting together never read half a file
-    logger.info("sgl-entropic: draft widths priced by a cost table (%s %s): a forward over 1 / 4 / 16 tokens "
-                "%.2f / %.2f / %.2f ms; one row's attention over %d tokens at width 1 / %d: %.2f / %.2f ms", how, path,
-                *(costs.forward(n) * 1e3 for n in (1, 4, 16)), costs.contexts[1], costs.widths[1],
-                costs.attention[0][1] * 1e3, costs.attention[1][1] * 1e3)
+    logger.info(
+        "sgl-entropic: draft widths priced by a cost table (%s %s): a forward over 1 / 4 / 16 tokens "
+        "%.2f / %.2f / %.2f ms; one row's attention over %d tokens at width 1 / %d: %.2f / %.2f ms",
+        how,
+        path,
+        *(costs.forward(n) * 1e3 for n in (1, 4, 16)),
+        costs.contexts[1],
+        costs.widths[1],
+        costs.attention[0][1] * 1e3,
+        costs.attention[1][1] * 1e3,
+    )
     return costs

@@ -82,8 +82,10 @@ class HookTimes:
         per_step = (lambda ns: ns / n / 1e3) if n else (lambda ns: None)
         return {
             "steps": n,  # decode steps counted
-            "hooks": {name: {"calls": calls, "mean_us_per_step": per_step(ns)}
-                      for name, ns, calls in zip(self.names, self.hook_ns, self.hook_calls)},
+            "hooks": {
+                name: {"calls": calls, "mean_us_per_step": per_step(ns)}
+                for name, ns, calls in zip(self.names, self.hook_ns, self.hook_calls)
+            },
             "mean_us_per_step": per_step(self.plugin_ns),
             "mean_step_us": per_step(self.wall_ns),
             "mean_share": self.share_sum / n if n else None,
@@ -101,6 +103,7 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
     sglang_ns = times.sglang_ns
 
     if hook.kind != "around":
+
         @functools.wraps(handler)  # __wrapped__: hooks.is_applied still finds our handler
         def wrapper(*args, **kwargs):
             t0, s0 = now(), sglang_ns[0]
@@ -109,12 +112,14 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
             finally:
                 ns[i] += now() - t0 - (sglang_ns[0] - s0)
                 calls[i] += 1
+
         return wrapper
 
     memo: list = [None, None]  # SGLang passes the same original on every call: its timed twin is built once
 
     def timed_original(original):
         if memo[0] is not original:
+
             def run(*args, **kwargs):
                 t0, s0 = now(), sglang_ns[0]
                 try:
@@ -122,6 +127,7 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
                 finally:
                     # not the plugin's time; what `sglang` excluded inside it is excluded once, below
                     ns[i] -= now() - t0 - (sglang_ns[0] - s0)
+
             memo[:] = original, run
         return memo[1]
 
@@ -133,6 +139,7 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
         finally:
             ns[i] += now() - t0 - (sglang_ns[0] - s0)
             calls[i] += 1
+
     return around
 
 

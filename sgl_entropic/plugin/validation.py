@@ -13,8 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sgl_entropic.config import (REQUEST_SPECULATIVE_KEY, SPECULATIVE_PARAMS_KEY, EntropicConfig, RequestSpeculation,
-                                 SamplingConfig, request_sampling_config, request_speculation)
+from sgl_entropic.config import (
+    REQUEST_SPECULATIVE_KEY,
+    SPECULATIVE_PARAMS_KEY,
+    EntropicConfig,
+    RequestSpeculation,
+    SamplingConfig,
+    request_sampling_config,
+    request_speculation,
+)
 from sgl_entropic.plugin import runtime
 from sgl_entropic.sampling import ControllerState, MirostatState
 
@@ -35,9 +42,17 @@ def check_custom_params_shape(custom_params: Any) -> None:
     scalar = (type(None), bool, int, float, str)
     for key, value in custom_params.items():
         if isinstance(value, dict):
-            bad = [k for k, v in value.items() if not isinstance(v, scalar)
-                   and not (key == ENTROPIC_KEY and k == REQUEST_SPECULATIVE_KEY and isinstance(v, dict)
-                            and all(isinstance(x, scalar) for x in v.values()))]
+            bad = [
+                k
+                for k, v in value.items()
+                if not isinstance(v, scalar)
+                and not (
+                    key == ENTROPIC_KEY
+                    and k == REQUEST_SPECULATIVE_KEY
+                    and isinstance(v, dict)
+                    and all(isinstance(x, scalar) for x in v.values())
+                )
+            ]
         elif isinstance(value, list):
             bad = [str(i) for i, v in enumerate(value) if not isinstance(v, scalar)]
         else:
@@ -89,7 +104,9 @@ def request_controllers(
     if overrides is None:
         return _server_controller(sampling_params, config)
     if not config.sampling_on:
-        raise ValueError(f"custom_params.entropic: entropic sampling is not enabled on this server (mode={config.mode})")
+        raise ValueError(
+            f"custom_params.entropic: entropic sampling is not enabled on this server (mode={config.mode})"
+        )
     cfg = request_sampling_config(config.sampling, overrides)
     if sampling_params.top_k == 1:
         raise ValueError("custom_params.entropic: needs sampling; temperature 0 (greedy) leaves nothing to control")
@@ -135,8 +152,7 @@ def check_prompt(input_ids: Any, vocab_size: int) -> None:
         raise ValueError("input_ids: must be a list of token ids")
     if not input_ids:
         raise ValueError("the prompt is empty (0 tokens): send at least one token of text or input_ids")
-    bad = next((t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
-               None)
+    bad = next((t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"input_ids: {bad!r} is not a token id of this model (integers in [0, {vocab_size}))")
 
@@ -177,8 +193,9 @@ async def around_request_json(original, request, *args, **kwargs):
 
 
 def check_sampling_params_shape(sampling_params: Any) -> None:
-    if isinstance(sampling_params, list) and (not sampling_params or not all(isinstance(p, dict)
-                                                                             for p in sampling_params)):
+    if isinstance(sampling_params, list) and (
+        not sampling_params or not all(isinstance(p, dict) for p in sampling_params)
+    ):
         raise ValueError("sampling_params: an object, or a non-empty list of objects (one per prompt)")
     if sampling_params is not None and not isinstance(sampling_params, (dict, list)):
         raise ValueError(f"sampling_params: must be a JSON object, not {type(sampling_params).__name__}")

@@ -32,15 +32,25 @@ class VerifyRows:
         None or -1: none)."""
         key = (-1 if window is None or window < 0 else window, group)
         if key not in self.windowed:
-            masks = self.visible if key[0] < 0 else [
-                v & (k[None, :] >= p[:, None] - window)
-                for v, k, p in zip(self.visible, self.key_positions, self.node_positions)]
+            masks = (
+                self.visible
+                if key[0] < 0
+                else [
+                    v & (k[None, :] >= p[:, None] - window)
+                    for v, k, p in zip(self.visible, self.key_positions, self.node_positions)
+                ]
+            )
             self.windowed[key] = [m.repeat(group, 1) for m in masks]
         return self.windowed[key]
 
 
-def verify_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix: Sequence[int],
-                tree: torch.Tensor, positions: torch.Tensor) -> VerifyRows:
+def verify_rows(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix: Sequence[int],
+    tree: torch.Tensor,
+    positions: torch.Tensor,
+) -> VerifyRows:
     """prefix: the rows' committed lengths (host ints); tree [bs, W, W] node i sees node j; positions [bs, W]."""
     width = tree.shape[1]
     table = req_to_token[:, : max(prefix) + width].index_select(0, req_pool_indices).long()
@@ -54,8 +64,14 @@ def verify_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, pref
     return VerifyRows(slots, visible, key_pos, positions.long())
 
 
-def tree_verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: VerifyRows,
-                          scale: float, window: Optional[int] = None) -> torch.Tensor:
+def tree_verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: VerifyRows,
+    scale: float,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """Attention of `q` [bs * W, Hq, d] (W draft nodes per row) over each row's prefix and tree ancestors.
 
     One SDPA call per row over exactly its own keys (padding the rows to the longest, one call for the batch,
@@ -89,9 +105,13 @@ class TreeVerifyAttnBackend(TorchNativeAttnBackend):
         if forward_batch.forward_mode.is_target_verify():
             spec, bs = forward_batch.spec_info, forward_batch.batch_size
             width = spec.draft_token_num
-            self._verify = verify_rows(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                       forward_batch.seq_lens_cpu.tolist(),  # a host tensor: no device read
-                                       spec.custom_mask.view(bs, width, width), spec.positions.view(bs, width))
+            self._verify = verify_rows(
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens_cpu.tolist(),  # a host tensor: no device read
+                spec.custom_mask.view(bs, width, width),
+                spec.positions.view(bs, width),
+            )
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():
@@ -99,11 +119,15 @@ class TreeVerifyAttnBackend(TorchNativeAttnBackend):
         if layer.is_cross_attention:
             raise NotImplementedError("speculative verification with cross-attention layers")
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
-                                                k, v)
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
         out = tree_verify_attention(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self._verify, layer.scaling, layer.sliding_window_size)
+            self._verify,
+            layer.scaling,
+            layer.sliding_window_size,
+        )
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

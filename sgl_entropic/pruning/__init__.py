@@ -62,8 +62,17 @@ possibly partial) and its kept candidates; `attend_layer` gathers them for the w
 once, padded to the widest row and masked.
 """
 
-from sgl_entropic.pruning.budget import (AGGREGATES, DEFAULT_AGGREGATE, DEFAULT_REFERENCE_ENTROPY, RowPages, all_pages,
-                                         keep_ratio, num_pages, reference_entropy_for_vocab, row_pages)
+from sgl_entropic.pruning.budget import (
+    AGGREGATES,
+    DEFAULT_AGGREGATE,
+    DEFAULT_REFERENCE_ENTROPY,
+    RowPages,
+    all_pages,
+    keep_ratio,
+    num_pages,
+    reference_entropy_for_vocab,
+    row_pages,
+)
 from sgl_entropic.pruning.kernel import attend_layer, attend_rows, fixed_lse, gather_pages, take_rows
 from sgl_entropic.pruning.plan import StepPlan
 from sgl_entropic.pruning.reference import sparse_decode_attention
@@ -71,8 +80,25 @@ from sgl_entropic.pruning.scores import quest_bounds, shortlist_mass, surprisal_
 from sgl_entropic.pruning.select import Stages, select_pages
 
 __all__ = [
-    "AGGREGATES", "DEFAULT_AGGREGATE", "DEFAULT_REFERENCE_ENTROPY", "RowPages", "Stages", "StepPlan", "all_pages",
-    "attend_layer", "attend_rows", "fixed_lse", "gather_pages", "keep_ratio", "num_pages", "quest_bounds",
-    "reference_entropy_for_vocab", "row_pages", "select_pages", "shortlist_mass", "sparse_decode_attention", "surprisal_scores",
+    "AGGREGATES",
+    "DEFAULT_AGGREGATE",
+    "DEFAULT_REFERENCE_ENTROPY",
+    "RowPages",
+    "Stages",
+    "StepPlan",
+    "all_pages",
+    "attend_layer",
+    "attend_rows",
+    "fixed_lse",
+    "gather_pages",
+    "keep_ratio",
+    "num_pages",
+    "quest_bounds",
+    "reference_entropy_for_vocab",
+    "row_pages",
+    "select_pages",
+    "shortlist_mass",
+    "sparse_decode_attention",
+    "surprisal_scores",
     "take_rows",
 ]

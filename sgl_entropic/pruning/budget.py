@@ -13,7 +13,6 @@ DEFAULT_AGGREGATE = "max"
 DEFAULT_REFERENCE_ENTROPY = 5.0
 
 
-
 def reference_entropy_for_vocab(vocab_size: int) -> float:
     """ln(V) / 2 nats: half the entropy of the uniform distribution over the vocabulary."""
     if vocab_size < 2:
@@ -71,8 +70,9 @@ class RowPages:
         return self.keep < self.candidates
 
 
-def row_pages(length: int, entropy: float, cfg: PruningConfig,
-              reference_entropy: float = DEFAULT_REFERENCE_ENTROPY) -> RowPages:
+def row_pages(
+    length: int, entropy: float, cfg: PruningConfig, reference_entropy: float = DEFAULT_REFERENCE_ENTROPY
+) -> RowPages:
     """The page counts of one row: guards first, then keep = ceil(rho(H) * candidates), and a shortlist
     of ceil(shortlist_ratio * candidates) (at least keep) when the exact rescoring is on."""
     n = num_pages(length, cfg.page_size)

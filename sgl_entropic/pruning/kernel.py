@@ -35,9 +35,15 @@ def fixed_lse(q: torch.Tensor, k_cache: torch.Tensor, plan: StepPlan, scale: flo
     return logits.masked_fill(~plan.fixed_tokens.flatten(1)[:, None, None], -_INF).logsumexp(dim=-1)
 
 
-def attend_layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-                 kmin: Optional[torch.Tensor], kmax: Optional[torch.Tensor], scale: float
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def attend_layer(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    kmin: Optional[torch.Tensor],
+    kmax: Optional[torch.Tensor],
+    scale: float,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`attend_rows` over the whole batch, or over the plan's row groups one after the other."""
     if not plan.parts:
         return attend_rows(q, k_cache, v_cache, plan, kmin, kmax, scale)
@@ -52,15 +58,24 @@ def attend_layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if not present:
         return out, None
     lists, width = present[0].shape[1], max(k.shape[2] for k in present)
-    padded = [torch.nn.functional.pad(k, (0, width - k.shape[2])) if k is not None else
-              torch.zeros(end - start, lists, width, dtype=torch.long, device=q.device)
-              for k, (start, end, _) in zip(kept, plan.parts)]
+    padded = [
+        torch.nn.functional.pad(k, (0, width - k.shape[2]))
+        if k is not None
+        else torch.zeros(end - start, lists, width, dtype=torch.long, device=q.device)
+        for k, (start, end, _) in zip(kept, plan.parts)
+    ]
     return out, torch.cat(padded)  # [B, L, K]: row b's first keep_b columns are its kept pages
 
 
-def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-                kmin: Optional[torch.Tensor], kmax: Optional[torch.Tensor], scale: float
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def attend_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    kmin: Optional[torch.Tensor],
+    kmax: Optional[torch.Tensor],
+    scale: float,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One decode query per row over its fixed pages and its selected candidates, in one batched pass:
     q `[B, H_q, D]`, caches `[slots, H_kv, D]` (slot = page * page_size + offset), kmin/kmax the layer's
     page store `[pages, H_kv, D]` -> (`[B, H_q, D_v]` in q's dtype, the kept logical pages `[B, L, K]` or
@@ -96,8 +111,9 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     if kept is not None:
         candidates = kept
     lists = candidates.shape[1]
-    physical = torch.cat([fixed.expand(-1, lists, -1), plan.page_table.gather(1, candidates.flatten(1)).view_as(candidates)],
-                         dim=2)
+    physical = torch.cat(
+        [fixed.expand(-1, lists, -1), plan.page_table.gather(1, candidates.flatten(1)).view_as(candidates)], dim=2
+    )
     keys = gather_pages(k_pages, physical).float().flatten(2, 3)  # [B, H_kv, (F + X) * P, D]
     logits = (q.float().view(batch, heads_kv, group, dim) @ keys.transpose(-1, -2)) * scale
     tokens = torch.cat([plan.fixed_tokens, valid[:, :, None].expand(-1, -1, p)], dim=1)  # [B, F + X, P]
@@ -112,8 +128,9 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
         kept = candidates.gather(-1, pick)
         index = torch.cat([torch.arange(cols, device=q.device).expand(batch, lists, -1), cols + pick], dim=2)
         index = index.expand(-1, heads_kv, -1) if lists == 1 else index
-        weights = weights.view(batch, heads_kv, group, -1, p).gather(3, index[:, :, None, :, None].expand(
-            -1, -1, group, -1, p))
+        weights = weights.view(batch, heads_kv, group, -1, p).gather(
+            3, index[:, :, None, :, None].expand(-1, -1, group, -1, p)
+        )
         kept_tokens = torch.cat([plan.fixed_tokens, plan.keep_valid[:, :, None].expand(-1, -1, p)], dim=1)
         weights = weights.flatten(-2) * kept_tokens.flatten(1)[:, None, None]
         weights = weights / weights.sum(dim=-1, keepdim=True)

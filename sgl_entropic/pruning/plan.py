@@ -38,8 +38,13 @@ class StepPlan:
     parts: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def build(cls, rows: Sequence[RowPages], page_table: torch.Tensor, per_head: bool = False,
-              group_tokens: Optional[int] = None) -> "StepPlan":
+    def build(
+        cls,
+        rows: Sequence[RowPages],
+        page_table: torch.Tensor,
+        per_head: bool = False,
+        group_tokens: Optional[int] = None,
+    ) -> "StepPlan":
         """The plan of `rows` (page_table `[B, W]`); with `group_tokens`, also the plans of row groups of
         at most that many tokens gathered (each row's attended tokens plus its shortlist's keys)."""
         plan = cls._build(rows, page_table, per_head)
@@ -53,8 +58,10 @@ class StepPlan:
                 load += weight
             bounds.append((start, len(rows)))
             if len(bounds) > 1:
-                plan.parts = [(a, b, cls._build(rows[a:b], page_table[a:b, : max(r.n for r in rows[a:b])], per_head))
-                              for a, b in bounds]
+                plan.parts = [
+                    (a, b, cls._build(rows[a:b], page_table[a:b, : max(r.n for r in rows[a:b])], per_head))
+                    for a, b in bounds
+                ]
         return plan
 
     @classmethod
@@ -68,7 +75,9 @@ class StepPlan:
             logical = list(range(r.sink)) + list(range(r.n - r.recent, r.n))
             fixed.append(logical + [0] * (f_cols - len(logical)))
             last = r.length - (r.n - 1) * p  # real tokens of the last page
-            tokens.append([p] * (len(logical) - 1) + [last] + [0] * (f_cols - len(logical)) if logical else [0] * f_cols)
+            tokens.append(
+                [p] * (len(logical) - 1) + [last] + [0] * (f_cols - len(logical)) if logical else [0] * f_cols
+            )
         fixed_logical = to_device(fixed, device) if f_cols else torch.zeros(batch, 0, dtype=torch.long, device=device)
         counts = to_device(tokens, device) if f_cols else torch.zeros(batch, 0, dtype=torch.long, device=device)
         fixed_tokens = torch.arange(p, device=device) < counts[..., None]
@@ -79,9 +88,17 @@ class StepPlan:
         k_cols = max((r.keep for r in rows), default=0)
         shortlist = to_device([r.shortlist for r in rows], device)
         keep = to_device([r.keep for r in rows], device)
-        return cls(list(rows), p, page_table, page_table.gather(1, fixed_logical), fixed_tokens, candidate,
-                   torch.arange(s_cols, device=device)[None, :] < shortlist[:, None],
-                   torch.arange(k_cols, device=device)[None, :] < keep[:, None], per_head)
+        return cls(
+            list(rows),
+            p,
+            page_table,
+            page_table.gather(1, fixed_logical),
+            fixed_tokens,
+            candidate,
+            torch.arange(s_cols, device=device)[None, :] < shortlist[:, None],
+            torch.arange(k_cols, device=device)[None, :] < keep[:, None],
+            per_head,
+        )
 
     @property
     def two_stage(self) -> bool:
@@ -96,5 +113,9 @@ class StepPlan:
         """Per row, what one decode step reads of its context's KV (and computes of its attention FLOPs),
         as a share of dense: the attended tokens' keys and values, plus the keys the exact rescoring
         reads of the shortlisted pages it does not keep (half a token's K and V each)."""
-        return [1.0 - sparse_layer_share * (1.0 - (r.kept_tokens + 0.5 * (r.shortlist - r.keep) * r.page_size)
-                                            / r.length) if r.length else 1.0 for r in self.rows]
+        return [
+            1.0 - sparse_layer_share * (1.0 - (r.kept_tokens + 0.5 * (r.shortlist - r.keep) * r.page_size) / r.length)
+            if r.length
+            else 1.0
+            for r in self.rows
+        ]

@@ -24,8 +24,9 @@ def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, per_he
     return bound if per_head else bound.sum(dim=1, keepdim=True)
 
 
-def shortlist_mass(lse_pages: torch.Tensor, lse_fixed: torch.Tensor, shortlist_valid: torch.Tensor,
-                   per_head: bool) -> torch.Tensor:
+def shortlist_mass(
+    lse_pages: torch.Tensor, lse_fixed: torch.Tensor, shortlist_valid: torch.Tensor, per_head: bool
+) -> torch.Tensor:
     """The second stage's ranking (package doc), one definition for every device: `[B, L, S]`, each
     shortlisted page's attention mass under one softmax per query head over the fixed pages' tokens and the
     shortlist's, summed over the query heads a list serves (L = H_kv per head, else 1, all heads).
@@ -45,8 +46,9 @@ def _check_aggregate(aggregate: str) -> None:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
 
 
-def surprisal_scores(surprisal: torch.Tensor, lengths: torch.Tensor, page_size: int,
-                     aggregate: str = DEFAULT_AGGREGATE) -> torch.Tensor:
+def surprisal_scores(
+    surprisal: torch.Tensor, lengths: torch.Tensor, page_size: int, aggregate: str = DEFAULT_AGGREGATE
+) -> torch.Tensor:
     """The "surprisal" page score `[B, NP]` float32 from token surprisal `[B, T]` (nats).
 
     NP = ceil(T / page_size); row r's pages cover its tokens below lengths[r], the rest is -inf.

@@ -27,8 +27,16 @@ class Stages:
     page_lse: Callable[..., torch.Tensor]
 
 
-def select_pages(stages: Stages, q: torch.Tensor, k_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                 plan: StepPlan, page_table_i32: torch.Tensor, scale: float) -> torch.Tensor:
+def select_pages(
+    stages: Stages,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    plan: StepPlan,
+    page_table_i32: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Logical kept pages `[B, L, K]` (row b's first keep_b columns are its pages): the bound ranks the
     candidates; with a shortlist, `shortlist_mass` (one softmax per query head over the fixed pages and the
     shortlist) keeps the heaviest. q `[B, H_q, D]`; caches `[slots, H_kv, D]`; kmin/kmax the layer's store."""
