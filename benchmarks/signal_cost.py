@@ -1,6 +1,6 @@
 """In-process cost of the plugin's whole per-step sampling hook, the per-row Python work included.
 
-Times `sampling_step.around_sampler_forward`, the Sampler.forward hook the scheduler runs every
+Times `sampling.controller.around_sampler_forward`, the Sampler.forward hook the scheduler runs every
 step, around a stand-in sampler (argmax), on the bundled model's vocabulary: batch rows build
 (`BatchRows`), the controllers on the device table, the logits snapshot, token_stats, the one
 device -> host transfer, and every row's trace, customized_info and metrics bookkeeping. Rows are
@@ -29,14 +29,17 @@ import common  # noqa: E402
 
 from sgl_entropic.config import EntropicConfig, SamplingConfig  # noqa: E402
 from sgl_entropic.costs import ModelDims  # noqa: E402
-from sgl_entropic.plugin import runtime, sampling_step  # noqa: E402
+from sgl_entropic.plugin import runtime  # noqa: E402
+from sgl_entropic.plugin.sampling import controller  # noqa: E402
+from sgl_entropic.plugin.signal.traces import finish_steps  # noqa: E402
+from sgl_entropic.plugin.step import BatchRows  # noqa: E402
 from sgl_entropic.sampling import ControllerState  # noqa: E402
 
 
 def measure(batch: int, vocab: int, iters: int, mix: str) -> dict:
     rt = runtime.install(EntropicConfig())
     rt.dims = ModelDims(30, 9, 3, 64, 2.7e8)
-    rt.controllers = sampling_step.ControllerTable(batch + 1, "cpu")
+    rt.controllers = controller.ControllerTable(batch + 1, "cpu")
     cfg = SamplingConfig(target_entropy=2.0)
     reqs = []
     for i in range(batch):
@@ -58,7 +61,9 @@ def measure(batch: int, vocab: int, iters: int, mix: str) -> dict:
         is_all_greedy=all(greedy),
         has_custom_logit_processor=False,
     )
-    fb = SimpleNamespace(req_pool_indices=torch.arange(1, batch + 1), seq_lens_cpu=torch.full((batch,), 1000))
+    fb = SimpleNamespace(
+        batch_size=batch, req_pool_indices=torch.arange(1, batch + 1), seq_lens_cpu=torch.full((batch,), 1000)
+    )
     logits = torch.randn(batch, vocab)
 
     sampler_times = []
@@ -73,10 +78,11 @@ def measure(batch: int, vocab: int, iters: int, mix: str) -> dict:
     for i in range(iters + 5):
         out = SimpleNamespace(next_token_logits=logits.clone())
         start = time.perf_counter()
-        rt.rows = sampling_step.BatchRows.of(reqs, [True] * batch)  # what ForwardBatch.init_new builds
-        rt.forward_batch = fb
-        sampling_step.around_sampler_forward(sampler, None, out, info)
-        sampling_step.finish_pending(rt)  # the bookkeeping SGLang's result processing triggers
+        step = rt.steps.begin()  # what Scheduler.get_next_batch_to_run opens
+        step.rows = BatchRows.of(reqs, [True] * batch)  # what ForwardBatch.init_new builds
+        step.forward_batch = fb
+        controller.around_sampler_forward(sampler, None, out, info)
+        finish_steps(rt)  # the bookkeeping SGLang's result processing triggers
         if i >= 5:
             times.append(time.perf_counter() - start - sampler_times[-1])
         if i % 50 == 0:  # keep the traces from growing without bound, as finished requests would

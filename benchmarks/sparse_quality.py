@@ -142,7 +142,7 @@ class Runtime:
 
     def backend(self, cfg: Optional[PruningConfig]):
         """Stock, or our backend for `cfg`, made once (its start-up self-check and timing run once)."""
-        from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
+        from sgl_entropic.plugin.attention.backend import EntropicTorchNativeAttnBackend
 
         if cfg is None:
             return self.stock
@@ -156,7 +156,7 @@ class Runtime:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        from sgl_entropic.plugin.sampling_step import finish_pending
+        from sgl_entropic.plugin.sampling.controller import finish_steps
 
         self.bench.clear()
         self.runner.attn_backend = backend
@@ -168,12 +168,12 @@ class Runtime:
         req.logprob_start_len, req.extend_end = -1, len(prompt)
         req.entropic = self.rt.new_request_state(None, None)
         nxt, logits, batch = self.ob.extend([req], self.runner)
-        finish_pending(self.rt)  # what the scheduler does where it processes a batch's result
+        finish_steps(self.rt)  # what the scheduler does where it processes a batch's result
         tokens, all_logits = [int(nxt[0])], [logits[0].float().clone()]
         for t in range(1, steps):
             feed = torch.tensor([forced[t - 1] if forced is not None else tokens[-1]])
             nxt, logits = self.ob.decode(feed, batch, self.runner)
-            finish_pending(self.rt)
+            finish_steps(self.rt)
             tokens.append(int(nxt[0]))
             all_logits.append(logits[0].float().clone())
         attended = (req.customized_info or {}).get("attended", [1.0] * steps)[1:]

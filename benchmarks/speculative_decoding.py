@@ -9,7 +9,7 @@ Configurations (each a server, started per round in a rotated order, its warm-up
   fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default);
                  the best fixed length is taken per workload and batch size afterwards, from the same rounds
   acceptance     ours + NGRAM, width from SGLang's adaptive rule (an EMA of accepted drafts), at most 12
-  entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/speculative.py), at most 12
+  entropy        ours + NGRAM, width from the model's own entropy (sgl_entropic/drafting.py), at most 12
   signal         `--entropic signal`: no loop, the signal recorded; as signal@<stock's dtype> its greedy text is
                  stock's, so its tau over the run is stock's (d tau/dC of the stock column: tau over stock's
                  duration, and over the cost model's work of plain decoding)

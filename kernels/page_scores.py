@@ -7,7 +7,7 @@
   scaled logits of the page's tokens, read from the KV cache in place (the gather the CPU path makes
   would cost B x H x S x page x D elements of memory at long contexts and large batches).
 The selection itself (top-k, mass) and the attention (FlashInfer) run outside: see
-`plugin/attention_flashinfer.py`.
+`plugin/attention/flashinfer.py`.
 
 Must equal: `page_bounds_reference` and `page_lse_reference` below, up to fp32 summation order.
 """

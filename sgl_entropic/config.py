@@ -206,7 +206,7 @@ class PruningConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    """Under SGLang's NGRAM speculative decoding: how wide each verify step is (sgl_entropic/speculative.py).
+    """Under SGLang's NGRAM speculative decoding: how wide each verify step is (sgl_entropic/drafting.py).
 
     The maximum is SGLang's --speculative-num-draft-tokens; the controller and the traces follow every
     committed token whatever the rule.

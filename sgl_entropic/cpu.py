@@ -30,6 +30,15 @@ PTH_LINE = (
 )
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for what is measured once per machine; empty where unknown."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def pth_path() -> Path:
     return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
 

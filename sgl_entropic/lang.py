@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.chat_template import get_chat_template
 
-from sgl_entropic.plugin import frontend
+from sgl_entropic.plugin.serving import frontend
 from sgl_entropic.config import REQUEST_SPECULATIVE_KEY, SERVER_ONLY, RequestSpeculation, SamplingConfig, format_error
 
 ENTROPIC_FIELDS = frozenset(SamplingConfig.model_fields) - SERVER_ONLY

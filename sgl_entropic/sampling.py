@@ -13,7 +13,7 @@ Entropy ABOVE the target lowers T (commit), entropy BELOW the target raises T (e
 paper printed the opposite sign; that direction is unstable, see below.)
 
 Zero-lag use at each decode step, for the rows that have the controller on (the plugin keeps every
-request's state in a device table by request slot, `plugin/sampling_step.ControllerTable`, and
+request's state in a device table by request slot, `plugin/sampling/controller.ControllerTable`, and
 gathers the step's rows from it)::
 
     batch = ControllerBatch(*table.index_select(1, slots))      # the rows' states, on the device
@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 
 from sgl_entropic.signal import Scratch, entropy_exact
+from sgl_entropic.transfer import to_device
 
 if TYPE_CHECKING:  # config imports pydantic only; keep this module torch-only at run time
     from sgl_entropic.config import SamplingConfig
@@ -223,9 +224,6 @@ class ControllerState:
         )
 
 
-_CONTROLLER_FIELDS = ("temperature", "target", "eta", "t_min", "t_max", "floor", "warmup", "steps_done")
-
-
 @dataclass
 class ControllerBatch:
     """Per-row controller parameters as [B] float32 tensors on one device.
@@ -249,13 +247,7 @@ class ControllerBatch:
     ) -> "ControllerBatch":
         """A batch of the rows' states (one [8, B] host tensor, one host-to-device copy): for callers that hold
         states one by one (tests, benchmarks); the plugin keeps them on the device (module docstring)."""
-        host = torch.tensor(
-            [[float(getattr(r, f)) for r in rows] for f in _CONTROLLER_FIELDS], dtype=torch.float32
-        ).reshape(len(_CONTROLLER_FIELDS), len(rows))
-        if device is not None and torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device=device, non_blocking=True)
-        return cls(*dev.unbind(0))
+        return cls(*fields_on_device(rows, CONTROLLER_FIELDS, device).unbind(0))
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
@@ -359,10 +351,7 @@ class MirostatBatch:
 
     @classmethod
     def from_rows(cls, rows: Sequence[MirostatState], device: Union[str, torch.device, None] = None) -> "MirostatBatch":
-        names = [f.name for f in fields(MirostatState)]
-        host = torch.tensor([[float(getattr(r, n)) for r in rows] for n in names], dtype=torch.float32)
-        host = host.reshape(len(names), len(rows))
-        return cls(*host.to(device=device).unbind(0))
+        return cls(*fields_on_device(rows, MIROSTAT_FIELDS, device).unbind(0))
 
     def mask(self, logits: Tensor) -> Tensor:
         return mirostat_v2_mask(logits, self.mu)
@@ -371,3 +360,14 @@ class MirostatBatch:
         """Advance mu after sampling ``token_ids`` from ``masked_logits``; returns the new mu."""
         self.mu = mirostat_v2_update(self.mu, masked_logits, token_ids, self.tau, self.eta, valid)
         return self.mu
+
+
+# The batches' fields, in their order; ControllerState and MirostatState carry the same names.
+CONTROLLER_FIELDS = tuple(f.name for f in fields(ControllerBatch))
+MIROSTAT_FIELDS = tuple(f.name for f in fields(MirostatBatch))
+
+
+def fields_on_device(states: Sequence, names: Sequence[str], device: Union[str, torch.device, None]) -> Tensor:
+    """[fields, rows] float32 of the states' `names`, in one host-to-device copy (pinned for a GPU)."""
+    values = [[float(getattr(s, n)) for s in states] for n in names]
+    return to_device(values, device if device is not None else "cpu", torch.float32).reshape(len(names), len(states))

@@ -12,8 +12,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_entropic.config import EntropicConfig, PruningConfig
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
-from sgl_entropic.plugin.sampling_step import BatchRows
+from sgl_entropic.plugin.attention.backend import EntropicTorchNativeAttnBackend
+from sgl_entropic.plugin.step import BatchRows, current_step
 from sgl_entropic.pruning import num_pages
 from sgl_entropic.signal import EntropyTrace
 
@@ -102,9 +102,10 @@ def setup(cfg, context_lens, entropies=None, seed=0, tp_size=1, sliding=()):
         out_cache_loc=table[idx, lens - 1].long(),
         encoder_lens=None,
         spec_info=None,
+        batch_size=len(context_lens),
     )
-    # the rows of the batch being run, as the ForwardBatch.init_new hook leaves them
-    batch.rows = runtime.install(EntropicConfig()).rows = BatchRows.of(
+    # the rows of the batch being run, as the ForwardBatch.init_new hook leaves them on the step
+    batch.rows = current_step(runtime.install(EntropicConfig())).rows = BatchRows.of(
         [SimpleNamespace(entropic=s) for s in states], [True] * len(states)
     )
     q = torch.randn(len(context_lens), HEADS_Q * DIM, generator=gen)

@@ -10,7 +10,8 @@ import torch
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.sampling_step import BatchRows, ControllerTable, SamplingStep
+from sgl_entropic.plugin.sampling.controller import ControllerTable, SamplingStep
+from sgl_entropic.plugin.step import BatchRows
 
 
 class Stepper:

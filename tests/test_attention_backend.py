@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from sgl_entropic.config import EntropicConfig
-from sgl_entropic.plugin import attention, runtime
-from sgl_entropic.plugin.attention import EntropicTorchNativeAttnBackend
-from sgl_entropic.plugin.page_store import PageStore
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.attention import backend as attention
+from sgl_entropic.plugin.attention.backend import EntropicTorchNativeAttnBackend
+from sgl_entropic.plugin.attention.page_store import PageStore
 from sgl_entropic.pruning import num_pages, row_pages, sparse_decode_attention
 
 pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
@@ -364,7 +365,7 @@ def test_without_min_context_the_backend_times_where_its_kernels_pay():
 def test_a_broken_kernel_turns_pruning_off_at_start_up(monkeypatch, caplog):
     """The self-check runs the backend's own path on synthetic KV before serving: a kernel that is off
     by 2 % fails it, and the server stays up attending densely, the reason in the log and /server_info."""
-    import sgl_entropic.plugin.attention as attention
+    import sgl_entropic.plugin.attention.backend as attention
     from sgl_entropic.plugin import server_info
 
     good = attention.attend_layer

@@ -110,8 +110,8 @@ def test_the_servers_keep_cuda_graphs_and_pass_their_self_check(gpu_servers):
 def test_the_pruned_path_equals_exact_attention_over_its_pages(per_head, dtype):
     """Real FlashInfer and the real Triton kernels, the start-up self-check's comparison."""
     from sgl_entropic.config import PruningConfig
-    from sgl_entropic.plugin.attention_flashinfer import FlashInferSparse
-    from sgl_entropic.plugin.self_check import run_self_check
+    from sgl_entropic.plugin.attention.flashinfer import FlashInferSparse
+    from sgl_entropic.plugin.attention.self_check import run_self_check
 
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     for heads in ((32, 8, 128), (9, 3, 64)):

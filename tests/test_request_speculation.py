@@ -8,7 +8,7 @@ import torch
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.config import request_speculation
-from sgl_entropic.speculative import DraftSizer, StepCosts, capped_candidates, from_drafts, request_summary
+from sgl_entropic.drafting import DraftSizer, StepCosts, capped_candidates, from_drafts, request_summary
 
 PREFIX = "custom_params.entropic.speculative"
 
@@ -125,8 +125,8 @@ def test_a_request_s_counts_and_per_token_draft_flags_follow_its_traces():
 
 
 def test_a_request_drafts_from_a_corpus_where_its_trie_offers_nothing_or_the_corpus_guesses_better():
-    from sgl_entropic.plugin.drafts import prefer_corpus
-    from sgl_entropic.speculative import DraftHits
+    from sgl_entropic.plugin.speculation.drafts import prefer_corpus
+    from sgl_entropic.drafting import DraftHits
 
     fresh = DraftHits()
     assert not prefer_corpus(3, 3, fresh, DraftHits())  # no evidence: its own trie
@@ -144,7 +144,7 @@ def test_a_row_s_context_is_the_tail_of_its_whole_token_list(overlap):
     import array
     from types import SimpleNamespace
 
-    from sgl_entropic.plugin.drafts import contexts_of
+    from sgl_entropic.plugin.speculation.drafts import contexts_of
 
     depth, stride = 18, 4
     rows = [
@@ -172,8 +172,8 @@ def test_a_batch_mixing_opted_out_rows_with_drafting_ones_gets_one_tree_each():
 
     from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
-    from sgl_entropic.plugin.drafts import RequestTries
-    from sgl_entropic.speculative import offered_drafts
+    from sgl_entropic.plugin.speculation.drafts import RequestTries
+    from sgl_entropic.drafting import offered_drafts
 
     width, depth = 6, 18
     args = SimpleNamespace(

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from sgl_entropic.config import EntropicConfig, SamplingConfig
-from sgl_entropic.plugin import runtime, sampling_step
-from sgl_entropic.plugin.validation import request_controllers
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.sampling import controller as sampling_hooks
+from sgl_entropic.plugin.signal.traces import finish_steps
+from sgl_entropic.plugin.step import BatchRows, current_step
+from sgl_entropic.plugin.serving.validation import request_controllers
 from sgl_entropic.sampling import ControllerState, MirostatState, update_temperature, entropy
 from tests.stepping import HostReads, Stepper
 
@@ -82,10 +85,11 @@ def test_rows_that_produce_no_token_are_not_recorded():
 def test_a_fault_in_the_step_falls_back_to_plain_sampling(monkeypatch, caplog):
     rt = runtime.install(EntropicConfig())
     s = Stepper()
-    rt.rows = sampling_step.BatchRows.of([s.req()], [True])
-    rt.forward_batch = SimpleNamespace(req_pool_indices=None)
+    step = current_step(rt)
+    step.rows = BatchRows.of([s.req()], [True])
+    step.forward_batch = SimpleNamespace(batch_size=1, req_pool_indices=None)
     logits_output = SimpleNamespace(next_token_logits=torch.randn(1, 8))
-    result = sampling_step.around_sampler_forward(lambda *a, **k: "sampled", None, logits_output, None)
+    result = sampling_hooks.around_sampler_forward(lambda *a, **k: "sampled", None, logits_output, None)
     assert result == "sampled"
     assert "sampled without control" in caplog.text
 
@@ -151,22 +155,20 @@ def test_a_step_never_waits_for_the_device_and_hands_its_values_over_once():
 def test_a_batch_result_finishes_its_own_step_and_leaves_the_next_one_pending():
     """Under the overlap scheduler step N+1 is sampled before step N's result is processed: processing
     N finishes N's record only, so the host never waits for the step in flight."""
-    from types import SimpleNamespace
-
-    from sgl_entropic.plugin.sampling_step import finish_pending
 
     s = Stepper()
     reqs = [s.req(), s.req()]
     for forward_iter in (7, 8):
         logits = torch.randn(2, 50)
-        step = s.begin(reqs, logits, [0.8, 0.8])
-        step.rows.forward_iter = forward_iter
-        s.rt.pending.append(step.record(logits.clone(), logits.argmax(dim=-1), [32, 32])[1])
-    finish_pending(s.rt, SimpleNamespace(forward_iter=7).forward_iter)
-    assert [p.rows.forward_iter for p in s.rt.pending] == [8]
+        opened = s.rt.steps.begin()
+        sampling = s.begin(reqs, logits, [0.8, 0.8])
+        sampling.rows.forward_iter = opened.forward_iter = forward_iter
+        opened.records.append(sampling.record(logits.clone(), logits.argmax(dim=-1), [32, 32])[1])
+    finish_steps(s.rt, 7)
+    assert [step.forward_iter for step in s.rt.steps.open] == [8]
     assert all(len(r.customized_info["entropy"]) == 1 for r in reqs)
-    finish_pending(s.rt, 8)
-    assert not s.rt.pending and all(len(r.customized_info["entropy"]) == 2 for r in reqs)
+    finish_steps(s.rt, 8)
+    assert not s.rt.steps.open and all(len(r.customized_info["entropy"]) == 2 for r in reqs)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -187,7 +189,7 @@ def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_co
         is_all_greedy=greedy,
         has_custom_logit_processor=False,
     )
-    assert sampling_step.keeps_logits(info, 1.0 / info.temperatures.view(-1)) == greedy
+    assert sampling_hooks.keeps_logits(info, 1.0 / info.temperatures.view(-1)) == greedy
 
     def sampler(_sampler, out, _info, *args, **kwargs):
         tokens = out.next_token_logits.argmax(dim=-1)
@@ -195,12 +197,15 @@ def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_co
             torch.softmax(out.next_token_logits, dim=-1, out=out.next_token_logits)
         return tokens
 
-    rt.rows = sampling_step.BatchRows.of(reqs, [True, True])
-    rt.forward_batch = SimpleNamespace(
-        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]), seq_lens_cpu=torch.tensor([10, 10])
+    step = current_step(rt)
+    step.rows = BatchRows.of(reqs, [True, True])
+    step.forward_batch = SimpleNamespace(
+        batch_size=2,
+        req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs]),
+        seq_lens_cpu=torch.tensor([10, 10]),
     )
-    tokens = sampling_step.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
-    sampling_step.finish_pending(rt)
+    tokens = sampling_hooks.around_sampler_forward(sampler, None, SimpleNamespace(next_token_logits=logits), info)
+    finish_steps(rt)
     dist = torch.distributions.Categorical(logits=given.double())
     for i, r in enumerate(reqs):
         assert r.customized_info["entropy"][0] == pytest.approx(float(dist.entropy()[i]), abs=1e-4)

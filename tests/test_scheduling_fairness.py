@@ -7,7 +7,8 @@ import torch
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
-from sgl_entropic.plugin import admission, runtime, scheduling_hooks
+from sgl_entropic.plugin import admission, runtime
+from sgl_entropic.plugin.scheduling import policy
 from sgl_entropic.scheduling import Scales, order_waiting
 from tests.stepping import Stepper
 
@@ -44,7 +45,7 @@ def test_a_high_target_entropy_buys_no_place_in_the_queue():
     bidder = _arrive("bidder", range(200), entropic={"target_entropy": 20.0})
     assert bidder.entropic.controller is not None  # the request really runs the controller it asked for
     queue = [bidder, plain]
-    scheduling_hooks.after_calc_priority(None, NO_CACHE, queue)
+    policy.after_calc_priority(None, NO_CACHE, queue)
     assert [r.rid for r in queue] == ["plain", "bidder"]  # equal work: arrival order, the bid counts for nothing
     assert bidder.entropic.gain.expected_gain == plain.entropic.gain.expected_gain == rt.config.scheduling.max_gain
 
@@ -76,7 +77,7 @@ def _tenant_order(stepper: Stepper, system: list[int]) -> list[str]:
                 sampling_params=SimpleNamespace(max_new_tokens=64, ignore_eos=False),
             )
         )
-    views = scheduling_hooks._views(stepper.rt, reqs, running=False)
+    views = policy.request_views(stepper.rt, reqs, running=False)
     return [reqs[i].rid for i in order_waiting(views, stepper.rt.config.scheduling, stepper.rt.scales)]
 
 

@@ -7,7 +7,9 @@ import pytest
 
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.costs import ModelDims
-from sgl_entropic.plugin import runtime, scheduling_hooks
+from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.scheduling import budget, policy
+from sgl_entropic.plugin.step import current_step
 from sgl_entropic.scheduling import Scales
 
 NO_CACHE = SimpleNamespace(tree_cache=SimpleNamespace(disable=True))  # the SchedulePolicy, radix cache off
@@ -44,7 +46,7 @@ def _req(rt, rid, prompt_len, entropies=(), output_len=0, matched=0, max_new=16,
 
 
 def order(queue):
-    scheduling_hooks.after_calc_priority(None, NO_CACHE, queue)
+    policy.after_calc_priority(None, NO_CACHE, queue)
     return [r.rid for r in queue]
 
 
@@ -70,9 +72,9 @@ def test_the_clock_counts_the_work_of_every_forward_batch_once(scheduling_on):
         fm = SimpleNamespace(is_decode=lambda: mode == "decode", is_extend=lambda: mode == "extend")
         return SimpleNamespace(forward_mode=fm, batch_size=lambda: rows, extend_num_tokens=extend)
 
-    scheduling_hooks.before_run_batch(None, batch("extend", extend=300))
-    scheduling_hooks.before_run_batch(None, batch("decode", rows=4))
-    scheduling_hooks.before_run_batch(None, batch("idle"))
+    policy.before_run_batch(None, batch("extend", extend=300))
+    policy.before_run_batch(None, batch("decode", rows=4))
+    policy.before_run_batch(None, batch("idle"))
     assert rt.served == 1000.0 + 300 + 4 * w
     assert rt.new_request_state(None, None).arrival_work == rt.served
 
@@ -89,9 +91,7 @@ def test_retraction_keeps_uncertain_requests_and_retracts_resolved_ones_first(sc
     rt = scheduling_on
     uncertain = _req(rt, "uncertain", 100, entropies=[4.0, 2.5, 3.8, 1.9, 3.5], output_len=5)
     resolved = _req(rt, "resolved", 100, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
-    order = scheduling_hooks.around_retraction_order(
-        lambda reqs: pytest.fail("stock order used"), [resolved, uncertain]
-    )
+    order = policy.around_retraction_order(lambda reqs: pytest.fail("stock order used"), [resolved, uncertain])
     # SGLang retracts from the end of the list: the resolved request goes first.
     assert order == [1, 0]
 
@@ -101,7 +101,7 @@ def test_stock_order_when_scheduling_is_off_or_left_to_sglang():
         rt = _install(cfg)
         queue = [_req(rt, "a", 2000), _req(rt, "b", 10)]
         assert order(queue) == ["a", "b"]
-        assert scheduling_hooks.around_retraction_order(lambda reqs: "stock", queue) == "stock"
+        assert policy.around_retraction_order(lambda reqs: "stock", queue) == "stock"
 
 
 def test_request_priorities_come_first_in_both_orders(scheduling_on):
@@ -111,7 +111,7 @@ def test_request_priorities_come_first_in_both_orders(scheduling_on):
     plain = _req(rt, "plain", 10)  # no priority: SGLang's lowest
     mid = _req(rt, "mid", 500, priority=1)
     assert order([plain, mid, vip]) == ["vip", "mid", "plain"]
-    keep = scheduling_hooks.around_retraction_order(lambda reqs: pytest.fail("stock"), [plain, vip, mid])
+    keep = policy.around_retraction_order(lambda reqs: pytest.fail("stock"), [plain, vip, mid])
     assert keep == [1, 2, 0]  # SGLang retracts from the end: the request without a priority first
     rt.priority_sign = 1  # --schedule-low-priority-values-first
     assert order([plain, mid, vip]) == ["mid", "vip", "plain"]
@@ -123,11 +123,11 @@ def test_decode_budget_keeps_uncertain_rows_then_forces_parked_and_aborting_ones
     resolved = _req(rt, "resolved", 100, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
     aborting = _req(rt, "aborting", 100, entropies=[0.3, 0.2, 0.1, 0.05, 0.01], output_len=5)
     batch = SimpleNamespace(reqs=[uncertain, resolved, aborting])
-    assert scheduling_hooks.decode_mask(rt, batch) == [True, False, False]
+    assert budget.decode_mask(rt, batch) == [True, False, False]
 
     aborting.to_finish = "abort"  # an aborted row decodes at once, so its KV is freed
     resolved.entropic.decode_skips = 2  # parked max_skip_steps - 1 steps: must decode now
-    assert scheduling_hooks.decode_mask(rt, batch) == [False, True, True]
+    assert budget.decode_mask(rt, batch) == [False, True, True]
 
 
 class _Batch:
@@ -163,16 +163,16 @@ def test_parked_counts_are_cleared_once_the_batch_fits_the_budget_again():
     scheduler = SimpleNamespace(require_mlp_sync=False)
     busy = _req(rt, "busy", 100, entropies=[4.0, 2.5, 3.8], output_len=3)
     quiet = _req(rt, "quiet", 100, entropies=[0.3, 0.2, 0.1], output_len=3)
-    decoding = scheduling_hooks.around_update_running_batch(lambda s, b: b, scheduler, _Batch([busy, quiet]))
+    decoding = budget.around_update_running_batch(lambda s, b: b, scheduler, _Batch([busy, quiet]))
     assert not rt.degraded  # the split ran (a fault would decode the whole batch and pass unseen)
-    assert decoding.reqs == [busy] and decoding.prepared == 1 and rt.split.merged().reqs == [busy, quiet]
-    rt.split = None
+    assert decoding.reqs == [busy] and decoding.prepared == 1 and current_step(rt).split.merged().reqs == [busy, quiet]
+    current_step(rt).split = None
     assert quiet.entropic.decode_skips == 1  # parked this step
     # `busy` finished: `quiet` runs alone, the batch fits the budget, and it decodes every step.
     waits = []
     for _ in range(3):
-        scheduling_hooks.around_update_running_batch(lambda s, b: b, scheduler, _Batch([quiet]))
-        assert rt.split is None and quiet.entropic.decode_skips == 0
+        budget.around_update_running_batch(lambda s, b: b, scheduler, _Batch([quiet]))
+        assert current_step(rt).split is None and quiet.entropic.decode_skips == 0
         waits.append(quiet.entropic.parked_before_token)
     assert waits == [1, 0, 0]  # the first lone token waited the one parked step; the later ones nothing
 
@@ -182,5 +182,5 @@ def test_request_priorities_come_first_under_the_users_own_policy_too():
     rt.priority_sign = -1
     reqs = [_req(rt, "plain-a", 10), _req(rt, "vip", 3000, priority=10), _req(rt, "plain-b", 20)]
     assert order(list(reqs)) == ["vip", "plain-a", "plain-b"]  # tiers, then SGLang's order (kept: a stable sort)
-    keep = scheduling_hooks.around_retraction_order(lambda rs: [2, 0, 1], reqs)  # SGLang's own keep order
+    keep = policy.around_retraction_order(lambda rs: [2, 0, 1], reqs)  # SGLang's own keep order
     assert keep == [1, 2, 0]

@@ -316,7 +316,8 @@ def test_no_request_body_stops_the_server_long(which, request):
 
 def test_the_hook_table_has_the_prompt_check_on_every_endpoint():
     """The checks above run in the main process (the HTTP server and the Engine)."""
-    from sgl_entropic.plugin import hook_table, validation
+    from sgl_entropic.plugin import hook_table
+    from sgl_entropic.plugin.serving import validation
 
     handlers = {h.handler for h in hook_table(EntropicConfig()) if h.process == "main"}
     assert {

@@ -1,4 +1,4 @@
-"""The speculative loop's core (sgl_entropic/speculative.py) on plain tensors: the controller along a draft tree
+"""The speculative loop's core (sgl_entropic/drafting.py) on plain tensors: the controller along a draft tree
 equals sequential decoding, verification is lossless (a statistical check that a wrong verifier fails), and each
 width rule does what it states."""
 
@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.sampling import ControllerBatch, ControllerState
-from sgl_entropic.speculative import (
+from sgl_entropic.drafting import (
     PLAIN_MARGIN,
     DraftHits,
     DraftSizer,
@@ -341,7 +341,7 @@ def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():
 
     from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-    from sgl_entropic.plugin.speculation import widen
+    from sgl_entropic.plugin.speculation.worker import widen
 
     full, width = 12, 5
     tokens = torch.arange(1, 3 * width + 1)  # 3 rows of the narrow step, as the worker returns them

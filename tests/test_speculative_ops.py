@@ -213,10 +213,10 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_verify_forward_attends_each_node_s_prefix_and_tree_ancestors(seed):
-    """The CPU verify attention (plugin/verify_attention.py) against plain math per node: softmax over the row's
+    """The CPU verify attention (plugin/attention/verify_attention.py) against plain math per node: softmax over the row's
     prefix keys and the node's ancestors (and itself) only, at uneven prefix lengths, scattered KV slots, random
     trees, GQA, with and without a sliding window."""
-    from sgl_entropic.plugin.verify_attention import tree_verify_attention, verify_rows
+    from sgl_entropic.plugin.attention.verify_attention import tree_verify_attention, verify_rows
     from sgl_entropic.pruning import sparse_decode_attention
 
     rng = random.Random(seed)

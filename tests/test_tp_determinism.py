@@ -18,6 +18,7 @@ import torch
 
 from sgl_entropic.config import EntropicConfig, SamplingConfig, SchedulingConfig
 from sgl_entropic.plugin import runtime
+from sgl_entropic.plugin.step import current_step
 from sgl_entropic.pruning import attend_layer
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import RequestView, order_waiting, remaining_output, remaining_work, select_decode
@@ -100,7 +101,7 @@ def rank_decisions() -> dict:
         runner, backend, batch, q, _ = setup(
             CFG.model_copy(update=update), [900, 400, 700], entropies=[0.5, 3.0, float("nan")], seed=5, tp_size=2
         )
-        runtime.current().rows = batch.rows
+        current_step(runtime.current()).rows = batch.rows
         plan = backend.planner.plan(batch, batch.rows)  # with --tp-size > 1 nothing is timed at start-up
         queries = q.view(q.shape[0], -1, 16)
         pool, store = runner.token_to_kv_pool, backend.planner.store

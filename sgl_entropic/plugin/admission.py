@@ -12,7 +12,7 @@ import logging
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
-from sgl_entropic.plugin.validation import request_controllers, request_speculation_of
+from sgl_entropic.plugin.serving.validation import request_controllers, request_speculation_of
 from sgl_entropic.scheduling import model_scales
 
 logger = logging.getLogger("sgl_entropic")

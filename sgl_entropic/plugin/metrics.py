@@ -53,7 +53,7 @@ class EntropicMetrics:
             "Share of a decode step's wall time spent in the plugin's hook handlers.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
         )
-        if speculative:  # NGRAM under the draft rule (speculation.py): per request and verify step
+        if speculative:  # NGRAM under the draft rule (plugin/speculation/): per request and verify step
             drafts = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
             self.drafted = Histogram(
                 "sglang:entropic_drafted_tokens", "Draft tokens a request verified in a step.", buckets=drafts

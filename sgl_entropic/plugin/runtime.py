@@ -12,16 +12,24 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from sgl_entropic.config import EntropicConfig, RequestSpeculation
 from sgl_entropic.costs import ModelDims
+from sgl_entropic.drafting import DraftHits
+from sgl_entropic.plugin.step import BatchRows, Steps
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
 from sgl_entropic.signal import EntropyTrace, Scratch
-from sgl_entropic.speculative import DraftHits
+
+if TYPE_CHECKING:  # the modules that fill these fields import this one
+    from sgl_entropic.plugin.attention.page_planner import Probe
+    from sgl_entropic.plugin.attention.page_store import PageStore
+    from sgl_entropic.plugin.metrics import EntropicMetrics
+    from sgl_entropic.plugin.sampling.controller import ControllerTable
+    from sgl_entropic.plugin.speculation.worker import Speculation
+    from sgl_entropic.plugin.timing import HookTimes
 
 logger = logging.getLogger("sgl_entropic")
 
@@ -47,35 +55,27 @@ class RequestState:
 class Runtime:
     config: EntropicConfig
     hooks: tuple = ()  # the hook table registered in this process (plugin.hook_table)
-    # The modules that fill these fields import this one, so they stay untyped here (no import cycle).
-    times: Any = None  # what the table's scheduler handlers cost per step (timing.HookTimes)
+    times: Optional[HookTimes] = None  # what the table's scheduler handlers cost per step
     # Scheduler process, learnt at the first request.
     dims: Optional[ModelDims] = None
     scales: Optional[Scales] = None
     kv_page_size: int = 1
     priority_sign: int = 0  # --enable-priority-scheduling: 1 low values first, -1 high first; 0 off
-    metrics: Any = None  # metrics.EntropicMetrics
-    controllers: Any = None  # per request-pool slot, on the model's device (sampling_step.ControllerTable)
-    pages: Any = None  # the entropic attention backend's per-KV store (pruning on)
+    metrics: Optional[EntropicMetrics] = None
+    controllers: Optional[ControllerTable] = None  # per request-pool slot, on the model's device
+    pages: Optional[PageStore] = None  # the entropic attention backend's per-KV store (pruning on)
     pruning_from: Optional[int] = None  # the backend's min_context: given, or the measured crossover
-    probe: Any = None  # its start-up pass: self-check, crossover timings (page_planner.Probe)
-    speculation: Any = None  # under NGRAM speculative decoding: the draft rule's state (speculation.Speculation)
+    probe: Optional[Probe] = None  # its start-up pass: self-check, crossover timings
+    speculation: Optional[Speculation] = None  # under NGRAM speculative decoding: the draft rule's state
     # The scheduler's clock: work served (scheduling.batch_work of every forward batch) and admissions so far.
     served: float = 0.0
     arrivals: int = 0
     # The signal over every committed token so far: tau (nats) and the cost model's work C (FLOPs).
     tau_total: float = 0.0
     cost_total: float = 0.0
-    # Per step: the rows of the batch the model runs (ForwardBatch.init_new -> attention -> sampler),
-    # the batch being sampled (ModelRunner.sample -> Sampler.forward), and the decode budget's split
-    # while SGLang runs one decode step (update_running_batch -> run_batch).
-    rows: Any = None
-    forward_batch: Any = None
-    pending: deque = field(default_factory=deque)  # sampled steps whose traces are on their way to the host
+    steps: Steps = field(default_factory=Steps)  # the forward steps open now (plugin/step.py); nothing else per step
     scratch: Scratch = field(default_factory=Scratch)  # the per-step signal's reused [B, V] buffers
-    defer_prepare: bool = False
-    split: Any = None
-    # HTTP process: OpenAI streams waiting for their traces, by request id (openai_ext.py)
+    # HTTP process: OpenAI streams waiting for their traces, by request id (serving/openai_ext.py)
     openai_streams: dict = field(default_factory=dict)
     # Every RequestState alive, to prove that finished requests free theirs.
     live_states: "weakref.WeakSet[RequestState]" = field(default_factory=weakref.WeakSet)
@@ -119,7 +119,7 @@ class Runtime:
 _runtime: Optional[Runtime] = None
 
 
-def install(config: EntropicConfig, hooks: tuple = (), times: Any = None) -> Runtime:
+def install(config: EntropicConfig, hooks: tuple = (), times: Optional[HookTimes] = None) -> Runtime:
     """The process's Runtime for `config` (a new one, replacing any before it)."""
     global _runtime
     _runtime = Runtime(config, hooks, times)
@@ -136,6 +136,14 @@ def installed() -> Optional[Runtime]:
     return _runtime
 
 
-def current_rows():
-    """The rows of the batch the model is running, or None (no runtime, or outside a forward)."""
-    return _runtime.rows if _runtime is not None else None
+def step_rows(forward_batch) -> Optional[BatchRows]:
+    """The rows of the step whose forward batch runs, for readers without a fault path of their own (the attention
+    backend): None outside a step (the start-up probe) or where they are another batch's (a fault, counted)."""
+    step = _runtime.steps.current if _runtime is not None else None
+    if step is None:
+        return None
+    try:
+        return step.rows_for(forward_batch)
+    except RuntimeError:
+        _runtime.fault("the attention backend's rows (attended without them)")
+        return None

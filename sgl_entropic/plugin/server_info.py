@@ -11,7 +11,7 @@ import gc
 import itertools
 
 from sgl_entropic.plugin import hooks, runtime
-from sgl_entropic.plugin.validation import ENTROPIC_KEY
+from sgl_entropic.plugin.serving.validation import ENTROPIC_KEY
 
 
 def after_get_init_info(result, scheduler, *args, **kwargs):
@@ -56,7 +56,7 @@ def after_get_init_info(result, scheduler, *args, **kwargs):
 
 
 def applied_order(rt, scheduler) -> dict:
-    """Which order each queue really runs under: the users' choices first (scheduling_hooks)."""
+    """Which order each queue really runs under: the users' choices first (scheduling/policy.py)."""
     args, ours = scheduler.server_args, rt.config.entropic_order
     return {
         "waiting_order": "entropic" if ours else args.schedule_policy,
@@ -107,7 +107,7 @@ def after_get_internal_state(result, scheduler, *args, **kwargs):
         "plugin_time": rt.times.summary(),  # the hook handlers' own time per decode step (timing.py)
         "degraded_steps": dict(rt.degraded),  # faults in the plugin's step work, by where (Runtime.fault)
     }
-    if rt.speculation is not None:  # the draft rule at work (speculation.py)
+    if rt.speculation is not None:  # the draft rule at work (plugin/speculation/)
         result.internal_state[ENTROPIC_KEY]["speculative"] = rt.speculation.summary()
     return result
 

@@ -19,7 +19,6 @@ import time
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
-from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.hooks import Hook
 
 
@@ -146,11 +145,3 @@ def _timed_handler(hook: Hook, times: HookTimes) -> Callable:
 def _name(hook: Hook) -> str:
     """`Class.method:kind`, as the table names the target."""
     return ".".join(hook.target.rsplit(".", 2)[-2:]) + ":" + hook.kind
-
-
-def before_get_next_batch_to_run(scheduler, running_batch=None, last_batch=None, *args, **kwargs):
-    """The step boundary: the iteration that ends ran `last_batch` (None: it was idle)."""
-    rt = runtime.current()
-    counted = rt.times.boundary(last_batch is not None and last_batch.forward_mode.is_decode())
-    if counted is not None and rt.metrics is not None:
-        rt.metrics.observe_plugin_step(*counted)

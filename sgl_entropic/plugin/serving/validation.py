@@ -230,6 +230,6 @@ def after_verify(result, sampling_params, *args, **kwargs):
     request_speculation_of(sampling_params, config)
     _, mirostat = request_controllers(sampling_params, config)
     if config.speculative_on:
-        from sgl_entropic.plugin.speculation import refuse_request
+        from sgl_entropic.plugin.speculation.worker import refuse_request
 
         refuse_request(sampling_params, mirostat is not None)

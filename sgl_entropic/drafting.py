@@ -1,13 +1,13 @@
 """Speculative decoding under the loops: how wide each verify step is, and the controller along a draft tree.
 
 Torch and numpy (for the host's small per-step arrays); nothing here imports sglang (the plugin's
-`speculation.py` adapts it to SGLang's NGRAM worker).
+`plugin/speculation/` adapts it to SGLang's NGRAM worker).
 
 Width. SGLang's NGRAM verifies a tree of `speculative_num_draft_tokens` nodes per request every decode step
 (node 0 is the request's last committed token, the others the trie's drafts, padded when it matched fewer).
 All rows of a verify batch share one width W (SGLang's layout), so a step costs T(rows x W) and commits, per row,
 its bonus token plus the drafts accepted in a row; a step at width 1 runs the plain decode step instead, as
-without speculation (`plugin/speculation.py`). A rule picks W per step:
+without speculation (`plugin/speculation/worker.py`). A rule picks W per step:
 
 * ``fixed``: the server's maximum, every step (SGLang's own behaviour);
 * ``matched``: 1 + the most drafts any row's trie match offers (never verifies padding);
@@ -108,7 +108,7 @@ def _interp(x, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
 @dataclass(frozen=True)
 class StepCosts:
     """What a decode step costs on this machine, in seconds: a table measured once per machine, model and dtype and
-    kept (`plugin/step_costs.py`), so that the draft width never follows the load of the moment.
+    kept (`plugin/speculation/step_costs.py`), so that the draft width never follows the load of the moment.
 
     A forward over n tokens costs the model's GEMMs at n rows (its linear layers, the LM head, one pass over the
     vocabulary: `tokens` -> `gemm`), plus each row's attention over its context at the step's width (`attention`,

@@ -49,7 +49,7 @@ def run_self_check(
 ) -> SelfCheck:
     """Run `attend(q, k_cache, v_cache, plan, kmin, kmax, scale) -> (out, kept)` (the backend's path)
     on synthetic KV and compare (module doc)."""
-    from sgl_entropic.plugin.page_store import PageStore
+    from sgl_entropic.plugin.attention.page_store import PageStore
 
     try:
         gen = torch.Generator().manual_seed(seed)

@@ -32,10 +32,11 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
 from sgl_entropic.crossover import CONTEXTS, crossover, load_timings, measure, save_timings, timings_file
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
-from sgl_entropic.plugin.page_store import PageStore
-from sgl_entropic.plugin.self_check import run_self_check
-from sgl_entropic.plugin.verify_attention import TreeVerifyAttnBackend
+from sgl_entropic.plugin.attention.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
+from sgl_entropic.plugin.attention.page_store import PageStore
+from sgl_entropic.plugin.attention.self_check import run_self_check
+from sgl_entropic.plugin.attention.verify_attention import TreeVerifyAttnBackend
+from sgl_entropic.cpu import cpu_model
 from sgl_entropic.pruning import (
     StepPlan,
     all_pages,
@@ -59,9 +60,9 @@ def timings_dir() -> Path:
 
 # the code whose speed the start-up probe times: a change to it is a new measurement
 TIMED_CODE = (
-    "plugin/attention.py",
-    "plugin/page_planner.py",
-    "plugin/page_store.py",
+    "plugin/attention/backend.py",
+    "plugin/attention/page_planner.py",
+    "plugin/attention/page_store.py",
     "pruning/kernel.py",
     "pruning/plan.py",
     "pruning/select.py",
@@ -72,12 +73,12 @@ TIMED_CODE = (
 
 def probe_key(shape, layers: int, contexts: list[int], cfg: PruningConfig) -> dict:
     """What the start-up timings depend on: the machine, torch, the timed code, the attention shape, the config."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # sgl_entropic/
     code = hashlib.sha256(b"".join((root / f).read_bytes() for f in TIMED_CODE)).hexdigest()[:16]
     heads_q, heads_kv, dim, dtype = shape
     return {
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -86,20 +87,6 @@ def probe_key(shape, layers: int, contexts: list[int], cfg: PruningConfig) -> di
         "contexts": contexts,
         "pruning": cfg.model_dump(mode="json", exclude={"min_context", "engaged"}),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        return next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            "",
-        )
-    except OSError:
-        return ""
 
 
 class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
@@ -236,7 +223,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
             return
         from_ = self.probe.dense_kernel_from
         dense_kernel = from_ is not None and max(forward_batch.seq_lens_cpu.tolist()) >= from_
-        self.plan = self.planner.plan(forward_batch, runtime.current_rows(), dense_kernel)
+        self.plan = self.planner.plan(forward_batch, runtime.step_rows(forward_batch), dense_kernel)
         self._batch = forward_batch
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -287,7 +274,7 @@ def create_backend(model_runner):
     if cuda:
         if model_runner.use_mla_backend:
             raise ValueError("--attention-backend entropic: MLA models are not supported (their KV layout differs)")
-        from sgl_entropic.plugin.attention_flashinfer import EntropicFlashInferAttnBackend
+        from sgl_entropic.plugin.attention.flashinfer import EntropicFlashInferAttnBackend
 
         backend = EntropicFlashInferAttnBackend(model_runner, cfg)
     else:
@@ -311,7 +298,7 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     """CUDA graphs: a decode batch that prunes runs eager (its page counts change every step); every
     other batch is SGLang's own decision, so steps that do not prune replay the captured graphs."""
     planner = getattr(graph_runner.attn_backend, "planner", None)
-    if planner is not None and planner.rows(forward_batch, runtime.current_rows()) is not None:
+    if planner is not None and planner.rows(forward_batch, runtime.step_rows(forward_batch)) is not None:
         return False
     return original(graph_runner, forward_batch, *args, **kwargs)
 

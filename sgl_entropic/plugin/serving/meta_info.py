@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextvars
 
-from sgl_entropic.plugin import openai_ext
-from sgl_entropic.speculative import from_drafts, request_summary
+from sgl_entropic.plugin.serving import openai_ext
+from sgl_entropic.drafting import from_drafts, request_summary
 
 TRACE_KEYS = ("entropy", "surprisal", "temperature", "parked", "attended")
-DRAFT_KEYS = ("offered", "drafted", "accepted", "draft_source")  # under speculation (sampling_step.NO_DRAFT)
+DRAFT_KEYS = ("offered", "drafted", "accepted", "draft_source")  # under speculation (signal/traces.NO_DRAFT)
 
 _engine_return_entropy = contextvars.ContextVar("sgl_entropic_return_entropy", default=False)
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from sgl_entropic.speculative import DraftHits, offered_drafts
+from sgl_entropic.drafting import DraftHits, offered_drafts
 
 # A request's trie holds this many n-gram nodes at most (about 60 MB); past it SGLang's trie drops the least
 # recently matched ones.

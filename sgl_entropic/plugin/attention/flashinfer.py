@@ -31,8 +31,8 @@ from sgl_entropic.config import PruningConfig
 from sgl_entropic.crossover import cuda_min_context
 from sgl_entropic.kernels.page_scores import TRITON_STAGES
 from sgl_entropic.plugin import runtime
-from sgl_entropic.plugin.page_planner import PagePlanner, Probe
-from sgl_entropic.plugin.self_check import run_self_check
+from sgl_entropic.plugin.attention.page_planner import PagePlanner, Probe
+from sgl_entropic.plugin.attention.self_check import run_self_check
 from sgl_entropic.pruning import StepPlan, select_pages
 from sgl_entropic.transfer import to_device
 
@@ -194,7 +194,7 @@ class EntropicFlashInferAttnBackend(FlashInferAttnBackend):
         if len(self.decode_wrappers) != 1:
             self.planner.note_dense_step(forward_batch)
             return  # cross-attention / SWA layouts (own wrappers): dense
-        plan = self.planner.plan(forward_batch, runtime.current_rows())
+        plan = self.planner.plan(forward_batch, runtime.step_rows(forward_batch))
         if plan is None:
             return
         self.sparse.begin(plan)

@@ -23,13 +23,13 @@ from typing import Callable, Optional
 
 import torch
 
-from sgl_entropic.speculative import StepCosts
+from sgl_entropic.drafting import StepCosts
 
 logger = logging.getLogger("sgl_entropic")
 
 TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CONTEXTS = (256, 1024, 4096)
-TIMED_CODE = ("plugin/step_costs.py", "plugin/verify_attention.py")
+TIMED_CODE = ("plugin/speculation/step_costs.py", "plugin/attention/verify_attention.py")
 
 
 def costs_dir() -> Path:
@@ -65,14 +65,14 @@ def _layers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], int]:
 
 
 def key_of(model_runner, max_width: int) -> dict:
-    from sgl_entropic.plugin.attention import _cpu_model
+    from sgl_entropic.cpu import cpu_model
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # sgl_entropic/
     code = hashlib.sha256(b"".join((root / f).read_bytes() for f in TIMED_CODE)).hexdigest()[:16]
     cfg = model_runner.model_config.hf_config
     device = torch.device(model_runner.device)
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -89,7 +89,7 @@ def key_of(model_runner, max_width: int) -> dict:
 
 def measure(model_runner, max_width: int) -> Optional[StepCosts]:
     """The table for this model and `max_width`; None where the model's layers are not plain weight matrices."""
-    from sgl_entropic.plugin.verify_attention import tree_verify_attention, verify_rows
+    from sgl_entropic.plugin.attention.verify_attention import tree_verify_attention, verify_rows
 
     model, device = model_runner.model, torch.device(model_runner.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

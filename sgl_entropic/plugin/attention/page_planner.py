@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from sgl_entropic.config import PruningConfig
-from sgl_entropic.plugin.page_store import PageStore, full_context_layers, reads_whole_context
-from sgl_entropic.plugin.self_check import SelfCheck
+from sgl_entropic.plugin.attention.page_store import PageStore, full_context_layers, reads_whole_context
+from sgl_entropic.plugin.attention.self_check import SelfCheck
 from sgl_entropic.pruning import StepPlan, all_pages, reference_entropy_for_vocab, row_pages, surprisal_scores
 
 logger = logging.getLogger("sgl_entropic")
