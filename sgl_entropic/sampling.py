@@ -105,13 +105,6 @@ def _log_probs(logits: Tensor, temperature: Optional[Tensor]) -> Tensor:
     return torch.log_softmax(z, dim=-1)
 
 
-def _entropy_from_log_probs(logp: Tensor) -> tuple[Tensor, Tensor]:
-    """(p, H) with 0 * log 0 = 0 for masked (-inf) tokens."""
-    p = logp.exp()
-    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-    return p, -plogp.sum(dim=-1)
-
-
 def entropy(logits: Tensor, temperature: Optional[Tensor] = None, scratch: Optional[Scratch] = None) -> Tensor:
     """[B] entropy in nats of softmax(logits / temperature[:, None]): the signal's `entropy_exact`.
 
@@ -133,8 +126,8 @@ def heat_capacity(logits: Tensor, temperature: Optional[Tensor] = None) -> Tenso
     0 < eta * heat_capacity < 2 at the operating temperature, and dead-beat at eta = 1 / C.
     """
     logp = _log_probs(logits, temperature)
-    p, h = _entropy_from_log_probs(logp)
-    dev = torch.where(p > 0, logp + h.unsqueeze(-1), torch.zeros_like(p))
+    p = logp.exp()
+    dev = torch.where(p > 0, logp + entropy(logits, temperature).unsqueeze(-1), torch.zeros_like(p))
     return (p * dev * dev).sum(dim=-1)
 
 

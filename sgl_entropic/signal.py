@@ -62,22 +62,22 @@ class Scratch:
 def _entropy_and_lse(
     x: torch.Tensor, row_max: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy and log-sum-exp of float32 rows `x`, with m the row max.
+    """Entropy and log-sum-exp of rows `x` (float32 or float64), with m the row max: the one eager definition.
 
-    With p = softmax(x) = e^(x - m) / s: the largest p is 1 / s, so ln s = -ln max_i p_i, lse = m + ln s and
-    H = ln s - sum_i p_i (x_i - m) = ln s + m - sum_i p_i x_i. A masked entry (x_i = -inf, p_i = 0) gives
-    0 * (-inf) = NaN in that sum, which nansum drops: its contribution is 0. ATen's fused softmax (it
-    subtracts the max itself) is the one exponential pass (on a CPU its vectorized exp takes a third of
-    `torch.exp`'s time); summing p x rather than p (x - m) saves a pass over the rows for a few 1e-4 nats
-    of rounding at H ~ 12 over 262k entries (1e-5 at the entropies decoding sees). This runs every step.
-    `out`: a [2, B, V] float32 scratch; p goes to out[1] (x itself may be out[0]); no new memory.
+    With d = x - m, e = e^d and s = sum_i e_i: lse = m + ln s and H = ln s - sum_i e_i d_i / s. Summed as e d,
+    not e x: sum e x - m s loses up to 7e-4 nats to cancellation at V = 262k in float32 (a flat row gives ln V
+    exactly here). A masked entry (x_i = -inf, e_i = 0, d_i = -inf) gives 0 * (-inf) = NaN in that sum, which
+    nansum drops: its contribution is 0. The compiled CPU kernel and the Triton kernel compute the same sums
+    (`sgl_entropic.kernels`), and are tested against this in float64 (`token_stats_reference(..., float64)`).
+    `out`: a [2, B, V] scratch of x's dtype (x itself may be out[0]); no new memory.
     """
     row_max = x.amax(dim=-1) if row_max is None else row_max
-    probs = torch.softmax(x, dim=-1) if out is None else torch.ops.aten._softmax.out(x, -1, False, out=out[1])
-    log_s = -probs.amax(dim=-1).log()
-    t = probs.mul_(x).nansum(dim=-1) - row_max
-    # H >= 0 exactly; rounding of ln s - t may dip a few ulps below.
-    return (log_s - t).clamp_min(0.0), row_max + log_s
+    d = x - row_max[:, None] if out is None else torch.sub(x, row_max[:, None], out=out[0])
+    e = torch.exp(d) if out is None else torch.exp(d, out=out[1])
+    log_s = e.sum(dim=-1).log()
+    ed = e.mul_(d).nansum(dim=-1)
+    # H >= 0 exactly; rounding of ln s - ed / s may dip a few ulps below.
+    return (log_s - ed / log_s.exp()).clamp_min(0.0), row_max + log_s
 
 
 def entropy_exact(logits: torch.Tensor, scratch: Optional[Scratch] = None) -> torch.Tensor:
@@ -91,8 +91,11 @@ def entropy_exact(logits: torch.Tensor, scratch: Optional[Scratch] = None) -> to
     compiled = _compiled_for(logits)
     if compiled is not None:
         return compiled.entropy(logits.float().contiguous(), torch.ones(logits.shape[0]))
-    out = None if scratch is None or logits.numel() == 0 else scratch.get(*logits.shape, logits.device)
-    return _entropy_and_lse(logits.float(), out=out)[0]
+    if logits.numel() == 0:
+        return logits.float().new_zeros(logits.shape[0])
+    x = logits.float()
+    out = scratch.get(*logits.shape, logits.device) if scratch is not None else None
+    return _entropy_and_lse(x, out=out)[0]
 
 
 def entropy_topk(logits: torch.Tensor, k: int) -> TopKEntropy:
@@ -136,6 +139,7 @@ def token_stats_reference(
     token_ids: torch.Tensor,
     inv_temperature: Optional[torch.Tensor] = None,
     scratch: Optional[Scratch] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> TokenStats:
     """Pure-torch stats of softmax(x), x = logits * inv_temperature[:, None], and of each token.
 
@@ -146,8 +150,9 @@ def token_stats_reference(
     x contains NaN or +inf, when it has no finite entry, when its inverse temperature is not
     finite and > 0, or when its token is out of range or masked (-inf): a sampled token is
     never masked in practice, and an infinite surprisal would not survive JSON. No input
-    raises and no output is NaN. The Triton kernel `token_stats_triton` must equal this. With `scratch`
-    the same values are computed in its buffers (no per-call [B, V] allocation).
+    raises and no output is NaN. With `scratch` the same values are computed in its buffers (no per-call [B, V]
+    allocation). `dtype`: what it computes in (float32 serving; float64 is the reference every kernel, and the
+    controller's probe, is tested against); the outputs are float32.
     """
     batch, vocab = logits.shape
     inv_t = (
@@ -155,11 +160,11 @@ def token_stats_reference(
         if inv_temperature is None
         else inv_temperature.to(device=logits.device, dtype=torch.float32)
     )
-    out = None if scratch is None or vocab == 0 else scratch.get(batch, vocab, logits.device)
-    x = logits.float()
+    out = None if scratch is None or vocab == 0 or dtype != torch.float32 else scratch.get(batch, vocab, logits.device)
+    x = logits.to(dtype)
     # A CPU tensor's check costs no device sync; all ones (greedy rows, verification) needs no scaled copy.
     if inv_temperature is not None and not (inv_t.is_cpu and bool((inv_t == 1).all())):
-        x = x * inv_t[:, None] if out is None else torch.mul(x, inv_t[:, None], out=out[0])
+        x = x * inv_t[:, None].to(dtype) if out is None else torch.mul(x, inv_t[:, None], out=out[0])
     tokens = token_ids.to(device=logits.device, dtype=torch.long)
     token_in_range = (tokens >= 0) & (tokens < vocab)
     if vocab == 0:
@@ -174,6 +179,7 @@ def token_stats_reference(
     # Invalid rows may come out NaN here; the masks below replace them (no host check, no sync).
     entropy, lse = _entropy_and_lse(x, row_max, out)
     surprisal = lse - torch.where(valid, token_logit, 0.0)
+    entropy, surprisal, lse = entropy.float(), surprisal.float(), lse.float()
     return TokenStats(
         torch.where(valid, entropy, 0.0),
         torch.where(valid, surprisal, 0.0),
