@@ -35,6 +35,8 @@ SERVER_ONLY = frozenset({"every_request"})  # sampling fields a request may not 
 # custom_params.entropic_speculative (SGLang's IPC carries one level of nesting in custom_params).
 REQUEST_SPECULATIVE_KEY = "speculative"
 SPECULATIVE_PARAMS_KEY = "entropic_speculative"
+# set by the HTTP process on a request that asked for its traces (`return_entropy`), which SGLang does not pass on
+TRACES_PARAMS_KEY = "entropic_traces"
 # SGLang server arguments whose KV paths bypass the attention backend, so the page store's key bounds
 # would be stale or zero: pruning refuses them (plus PD disaggregation) until the store is fed there too.
 KV_PATHS_PRUNING_CANNOT_SEE = {

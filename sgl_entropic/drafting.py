@@ -356,25 +356,40 @@ def from_drafts(drafted: Sequence[Optional[int]], accepted: Sequence[Optional[in
     return out
 
 
-def request_summary(
-    offered: Sequence[Optional[int]],
-    drafted: Sequence[Optional[int]],
-    accepted: Sequence[Optional[int]],
-    source: Sequence[Optional[str]],
-) -> dict:
-    """One request's speculation, from its per-token traces: decode steps, the steps that verified drafts of its own,
-    drafts its trie (or a corpus) offered, verified and accepted."""
-    steps = [i for i, d in enumerate(drafted) if d is not None]
-    verify = [i for i in steps if drafted[i] > 0]
-    accepted_total = sum(accepted[i] for i in steps)
-    corpus = [i for i in verify if source[i] == "corpus"]
-    return {
-        "decode_steps": len(steps),
-        "verify_steps": len(verify),
-        "drafts_offered": sum(offered[i] or 0 for i in steps),
-        "drafts_verified": sum(drafted[i] for i in steps),
-        "drafts_accepted": accepted_total,
-        "accepted_per_verify": accepted_total / len(verify) if verify else None,
-        "corpus_verify_steps": len(corpus),
-        "corpus_drafts_accepted": sum(accepted[i] for i in corpus),
-    }
+@dataclass
+class DraftCounts:
+    """One request's speculation so far, counted step by step in the scheduler: its decode steps, the steps that
+    verified drafts of its own, drafts its trie (or a corpus) offered, verified and accepted."""
+
+    decode_steps: int = 0
+    verify_steps: int = 0
+    offered: int = 0
+    verified: int = 0
+    accepted: int = 0
+    corpus_verify_steps: int = 0
+    corpus_accepted: int = 0
+
+    def add(self, offered: Optional[int], drafted: int, accepted: int, source: Optional[str]) -> None:
+        """A decode step (its counts, as its first token carries them)."""
+        self.decode_steps += 1
+        self.offered += offered or 0
+        self.verified += drafted
+        self.accepted += accepted
+        if drafted > 0:
+            self.verify_steps += 1
+            if source == "corpus":
+                self.corpus_verify_steps += 1
+                self.corpus_accepted += accepted
+
+    def summary(self) -> dict:
+        """`meta_info.entropic_speculative`."""
+        return {
+            "decode_steps": self.decode_steps,
+            "verify_steps": self.verify_steps,
+            "drafts_offered": self.offered,
+            "drafts_verified": self.verified,
+            "drafts_accepted": self.accepted,
+            "accepted_per_verify": self.accepted / self.verify_steps if self.verify_steps else None,
+            "corpus_verify_steps": self.corpus_verify_steps,
+            "corpus_drafts_accepted": self.corpus_accepted,
+        }

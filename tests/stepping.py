@@ -23,13 +23,14 @@ class Stepper:
         self.table = ControllerTable(slots, "cpu")
         self._next_slot = 1
 
-    def req(self, controller=None, mirostat=None, prompt_ids=()):
-        """A request as SamplingStep sees it, in its own request-pool slot."""
-        state = self.rt.new_request_state(controller, mirostat)
+    def req(self, controller=None, mirostat=None, prompt_ids=(), traced=True, stream=False):
+        """A request as SamplingStep sees it, in its own request-pool slot (`traced`: it asked for its traces)."""
+        state = self.rt.new_request_state(controller, mirostat, traced=traced)
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         return SimpleNamespace(
             entropic=state,
             customized_info=None,
+            stream=stream,
             kv=SimpleNamespace(req_pool_idx=slot),
             origin_input_ids=list(prompt_ids),
         )

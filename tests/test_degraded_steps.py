@@ -13,7 +13,7 @@ import torch
 from sgl_entropic.config import EntropicConfig
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.sampling import controller
-from sgl_entropic.plugin.serving.meta_info import TRACE_KEYS
+from sgl_entropic.plugin.serving.meta_info import TOTALS_KEY, TRACE_KEYS
 from sgl_entropic.plugin.signal import traces
 from sgl_entropic.plugin.signal.traces import finish_steps
 from sgl_entropic.plugin.speculation import verification
@@ -62,9 +62,10 @@ def sample(rt, reqs, sampler, logit_rows=None):
 
 
 def assert_aligned(req, speculative: bool = False) -> None:
-    keys = TRACE_KEYS + (("drafted", "accepted") if speculative else ()) + ("_entropic_time", "_entropic_efficiency")
+    keys = TRACE_KEYS + (("drafted", "accepted") if speculative else ())
     lengths = {k: len(req.customized_info[k]) for k in keys}
     assert set(lengths.values()) == {len(req.output_ids)}, (lengths, len(req.output_ids))
+    assert len(req.customized_info[TOTALS_KEY]) == 1  # the totals as they stand, sent once
 
 
 def faulty(*args, **kwargs):

@@ -8,7 +8,7 @@ import torch
 
 from sgl_entropic._sgl_kernel_cpu.speculative import reconstruct_indices_from_tree_mask, verify_tree_greedy_cpu
 from sgl_entropic.config import request_speculation
-from sgl_entropic.drafting import DraftSizer, StepCosts, capped_candidates, from_drafts, request_summary
+from sgl_entropic.drafting import DraftCounts, DraftSizer, StepCosts, capped_candidates, from_drafts
 
 PREFIX = "custom_params.entropic.speculative"
 
@@ -112,7 +112,11 @@ def test_a_request_s_counts_and_per_token_draft_flags_follow_its_traces():
     accepted = [None, 2, None, None, 0, 1, None]
     source = [None, "trie", None, None, None, "corpus", None]
     assert from_drafts(drafted, accepted) == [False, True, True, False, False, True, False]
-    assert request_summary(offered, drafted, accepted, source) == {
+    counts = DraftCounts()
+    for step in zip(offered, drafted, accepted, source):
+        if step[1] is not None:  # a decode step's first token carries its counts
+            counts.add(*step)
+    assert counts.summary() == {
         "decode_steps": 3,
         "verify_steps": 2,
         "drafts_offered": 10,

@@ -210,3 +210,21 @@ def test_the_hook_measures_the_logits_the_sampler_was_given_whether_or_not_it_co
     for i, r in enumerate(reqs):
         assert r.customized_info["entropy"][0] == pytest.approx(float(dist.entropy()[i]), abs=1e-4)
         assert r.customized_info["surprisal"][0] == pytest.approx(-float(dist.log_prob(tokens)[i]), abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_did_not_ask_keeps_no_per_token_trace_only_its_totals(stream):
+    """Without return_entropy nothing per token is kept, except on a stream its running totals (each chunk carries
+    the latest); the totals are the same as a traced request's."""
+    from sgl_entropic.plugin.serving.meta_info import RUNNING_KEY, TOTALS_KEY
+
+    s = Stepper()
+    traced, plain = s.req(), s.req(traced=False, stream=stream)
+    for _ in range(3):
+        logits = torch.randn(2, 50)
+        sampling = s.begin([traced, plain], logits, [1.0, 1.0])
+        sampling.record(logits.clone(), logits.argmax(dim=-1), [32, 32])[1].finish(s.rt)
+    assert len(traced.customized_info["entropy"]) == 3 and traced.customized_info[TOTALS_KEY][0]["entropic_time"] > 0
+    key = RUNNING_KEY if stream else TOTALS_KEY
+    assert set(plain.customized_info) == {key} and len(plain.customized_info[key]) == (3 if stream else 1)
+    assert plain.customized_info[key][-1]["entropic_time"] == pytest.approx(plain.entropic.trace.tau)

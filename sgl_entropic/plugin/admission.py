@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from sgl_entropic.config import TRACES_PARAMS_KEY
 from sgl_entropic.costs import ModelDims
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
@@ -43,5 +44,6 @@ def after_create_generation_req(req, scheduler, *args, **kwargs):
         logger.warning("sgl-entropic: rejecting request %s: %s", req.rid, err)
         controllers, speculation = (None, None), None
         req.set_finish_with_abort(str(err))
-    req.entropic = rt.new_request_state(*controllers, speculation=speculation)
+    traced = (req.sampling_params.custom_params or {}).get(TRACES_PARAMS_KEY) is True
+    req.entropic = rt.new_request_state(*controllers, speculation=speculation, traced=traced)
     return req

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 from sgl_entropic.config import EntropicConfig, RequestSpeculation
 from sgl_entropic.costs import ModelDims
-from sgl_entropic.drafting import DraftHits
+from sgl_entropic.drafting import DraftCounts, DraftHits
 from sgl_entropic.plugin.step import BatchRows, Steps
 from sgl_entropic.sampling import ControllerState, MirostatState
 from sgl_entropic.scheduling import GainEstimator, Scales
@@ -49,6 +49,8 @@ class RequestState:
     last_step_entropy: Optional[float] = None  # mean entropy of the tokens its last step committed (draft sizing)
     drafts: DraftHits = field(default_factory=DraftHits)  # its verified drafts (draft sizing)
     speculation: Optional[RequestSpeculation] = None  # its own draft rule and cap (None: the server's)
+    traced: bool = False  # it asked for per-token traces (return_entropy): only then are they kept
+    draft_counts: DraftCounts = field(default_factory=DraftCounts)  # its speculation so far (meta_info)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Runtime:
         controller: Optional[ControllerState],
         mirostat: Optional[MirostatState],
         speculation: Optional[RequestSpeculation] = None,
+        traced: bool = False,
     ) -> RequestState:
         self.arrivals += 1
         state = RequestState(
@@ -111,6 +114,7 @@ class Runtime:
             controller=controller,
             mirostat=mirostat,
             speculation=speculation,
+            traced=traced,
         )
         self.live_states.add(state)
         return state

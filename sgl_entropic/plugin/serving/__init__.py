@@ -16,6 +16,7 @@ def hooks(config: EntropicConfig) -> list[Hook]:
     return [
         Hook(S + "sampling.sampling_params.SamplingParams.verify", "after", validation.after_verify, "main"),
         Hook(T + "_validate_one_request", "before", validation.before_validate_one_request, "main"),
+        Hook(T + "_create_tokenized_object", "after", meta_info.after_create_tokenized_object, "main"),
         Hook(S + "entrypoints.http_server.ORJSONRequest.json", "around", validation.around_request_json, "main"),
         Hook(S + "managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", "around",
              validation.around_normalize_batch_and_arguments, "main"),

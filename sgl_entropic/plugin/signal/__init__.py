@@ -1,4 +1,5 @@
-"""The signal's record: each step's values become the requests' traces where SGLang processes its result."""
+"""The signal's record: each step's values become the requests' traces where SGLang processes its result; a
+request's totals are sent once."""
 
 from __future__ import annotations
 
@@ -9,5 +10,12 @@ from sgl_entropic.plugin.hooks import Hook
 def hooks(config: EntropicConfig) -> list[Hook]:
     from sgl_entropic.plugin.signal import traces
 
-    target = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-    return [Hook(target, "before", traces.before_process_batch_result, "scheduler")]
+    S = "sglang.srt.managers."
+    # fmt: off
+    return [
+        Hook(S + "scheduler.Scheduler.process_batch_result", "before", traces.before_process_batch_result,
+             "scheduler"),
+        Hook(S + "scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",
+             "after", traces.after_is_request_level_key, "scheduler"),
+    ]
+    # fmt: on

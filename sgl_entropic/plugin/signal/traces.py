@@ -16,7 +16,7 @@ import torch
 from sgl_entropic.costs import step_cost
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import RequestState, Runtime
-from sgl_entropic.plugin.serving.meta_info import TRACE_KEYS
+from sgl_entropic.plugin.serving.meta_info import RUNNING_KEY, TOTALS_KEY, TRACE_KEYS
 from sgl_entropic.plugin.step import BatchRows
 
 # Under speculation, each decode step's drafts on its first token (null on the others and on a prefill's token):
@@ -114,14 +114,29 @@ def token_count(req) -> int:
 
 
 def pad_tokens(rt: Runtime, req, state: RequestState, length: int) -> None:
-    """Every per-token list of `req` filled up to `length` values: null where a value could not be computed, the
-    cumulative ones at the trace's value."""
+    """A traced request's per-token lists filled up to `length` values (null where a value could not be computed);
+    every request's totals as they stand."""
+    if state.traced:
+        info = req.customized_info = req.customized_info if req.customized_info is not None else {}
+        for key in TRACE_KEYS + (tuple(NO_DRAFT) if rt.config.speculative_on else ()):
+            values = info.setdefault(key, [])
+            values.extend([None] * (length - len(values)))
+    send_totals(rt, req, state)
+
+
+def send_totals(rt: Runtime, req, state: RequestState) -> None:
+    """The request's cumulative values (tau, its efficiency, its speculation counts) as they stand after a token.
+
+    A stream's chunks each carry the latest (SGLang slices the list per chunk; `RUNNING_KEY`, one per token); any
+    other request's are sent once, when it finishes (`TOTALS_KEY`, one of SGLang's request-level keys)."""
+    totals = {"entropic_time": state.trace.tau, "entropic_efficiency": state.trace.efficiency}
+    if rt.config.speculative_on:
+        totals["entropic_speculative"] = state.draft_counts.summary()
     info = req.customized_info = req.customized_info if req.customized_info is not None else {}
-    keys = TRACE_KEYS + (tuple(NO_DRAFT) if rt.config.speculative_on else ())
-    fill = {**dict.fromkeys(keys), "_entropic_time": state.trace.tau, "_entropic_efficiency": state.trace.efficiency}
-    for key, value in fill.items():
-        values = info.setdefault(key, [])
-        values.extend([value] * (length - len(values)))
+    if req.stream:
+        info.setdefault(RUNNING_KEY, []).append(totals)
+    else:
+        info[TOTALS_KEY] = [totals]
 
 
 @dataclass
@@ -157,7 +172,8 @@ def record_token(
     decode: bool = True,
     **extra,
 ) -> None:
-    """One committed token: its trace (tau, cost), the gain memory, the per-token values for the client."""
+    """One committed token: its trace (tau, cost), the gain memory, the request's totals and, where it asked, its
+    per-token values for the client."""
     trace = state.trace
     if state.controller is not None:
         tally.temperatures.append(temperature)
@@ -169,18 +185,19 @@ def record_token(
         tally.flops += cost
         state.gain.observe(entropy)
         tally.measured.append(entropy)
-    # null marks a step whose logits were not finite (nothing measured, tau unchanged)
-    append_customized(
-        req,
-        entropy=entropy if ok else None,
-        surprisal=surprisal if ok else None,
-        temperature=temperature,
-        parked=parked,
-        attended=attended,
-        **extra,
-        _entropic_time=trace.tau,
-        _entropic_efficiency=trace.efficiency,
-    )
+    if extra.get("drafted") is not None:  # a decode step's first token under speculation: the step's counts
+        state.draft_counts.add(extra["offered"], extra["drafted"], extra["accepted"], extra["draft_source"])
+    if state.traced:  # null marks a step whose logits were not finite (nothing measured, tau unchanged)
+        append_customized(
+            req,
+            entropy=entropy if ok else None,
+            surprisal=surprisal if ok else None,
+            temperature=temperature,
+            parked=parked,
+            attended=attended,
+            **extra,
+        )
+    send_totals(rt, req, state)
 
 
 def append_customized(req, **values) -> None:
@@ -192,6 +209,12 @@ def append_customized(req, **values) -> None:
 
 
 # ---------------------------------------------------------------------------------------- hooks
+
+
+def after_is_request_level_key(result, streamer, key, *args, **kwargs):
+    """SGLang's `SchedulerOutputStreamer.is_request_level_customized_info_key`: a finished request's totals are
+    sent once, not sliced per token."""
+    return result or key == TOTALS_KEY
 
 
 def before_process_batch_result(scheduler, batch, *args, **kwargs):
