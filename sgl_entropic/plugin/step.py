@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
     from sgl_entropic.plugin.runtime import RequestState, Runtime
     from sgl_entropic.plugin.scheduling.budget import DecodeSplit
     from sgl_entropic.plugin.signal.traces import NullRecord, PendingRecord
@@ -67,7 +69,7 @@ class Step:
     split: Optional[DecodeSplit] = None  # the decode budget: update_running_batch -> the end of run_batch
     defer_prepare: bool = False  # inside update_running_batch: its prepare_for_decode waits for the split
     rows: Optional[BatchRows] = None  # ForwardBatch.init_new -> the attention backend, the sampler
-    forward_batch: Any = None  # ModelRunner.sample -> Sampler.forward (cleared after sampling)
+    forward_batch: Optional[ForwardBatch] = None  # ModelRunner.sample -> Sampler.forward (cleared after sampling)
     plan: Optional[DraftPlan] = None  # speculation: forward_batch_generation -> its verify batch, verification
     records: list[Record] = field(default_factory=list)  # the sampler or the verification -> process_batch_result
 
