@@ -161,6 +161,8 @@ def stock_server(tmp_path_factory, model_path) -> Server:
         "--chat-template",
         "chatml",
         *COMMON_ARGS,
+        # as speculative decoding on CPU runs: the reference of penalized requests (test_speculative_penalties.py)
+        "--disable-overlap-schedule",
     ]
     srv = start_server(cmd, log, env=env)
     yield srv

@@ -45,11 +45,12 @@ def gemma_servers(tmp_path_factory):
             *ARGS,
         ]
 
-    ours = entropic({"speculative": {"draft": "off"}})  # pruned decode on every step: no verify steps
     stock = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", *ARGS]
     stock_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENTROPIC_CONFIG"}
     stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
-    # `matched` verifies every draft the trie offers: the identity test must not hang on the entropy rule's timing
+    # One server of ours: speculation for the identity test (`matched` verifies every draft the trie offers: the
+    # test must not hang on the entropy rule's timing); the other tests' requests opt out (OURS), so that every
+    # decode step of theirs is a plain step, pruned.
     spec = [
         *entropic({"speculative": {"draft": "matched"}}),
         "--speculative-algorithm",
@@ -57,29 +58,31 @@ def gemma_servers(tmp_path_factory):
         "--speculative-num-draft-tokens",
         "4",
     ]
-    logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma", "gemma-stock", "gemma-spec")]
-    with ThreadPoolExecutor(3) as pool:  # all load at once
-        started = [
-            pool.submit(start_server, ours, logs[0]),
-            pool.submit(start_server, stock, logs[1], stock_env),
-            pool.submit(start_server, spec, logs[2]),
-        ]
+    logs = [tmp_path_factory.mktemp(name) / "server.log" for name in ("gemma-stock", "gemma")]
+    with ThreadPoolExecutor(2) as pool:  # both load at once
+        started = [pool.submit(start_server, stock, logs[0], stock_env), pool.submit(start_server, spec, logs[1])]
         servers = [f.result() for f in started]
     yield servers
-    with ThreadPoolExecutor(3) as pool:  # each takes seconds to shut down
+    with ThreadPoolExecutor(2) as pool:  # each takes seconds to shut down
         list(pool.map(lambda srv: stop_server(srv.proc), servers))
+
+
+# a request that opts out of speculation: plain (pruned) decode steps on the speculative server
+OURS = {"custom_params": {"entropic": {"speculative": {"draft": "off"}}}}
 
 
 @pytest.fixture(scope="module")
 def passkeys(gemma_servers):
     """Keys far outside the 512-token window (1.3k and 0.8k tokens back in ~1.6k): only the three global
     layers can see them. Pruned (ours) and dense (stock), greedy."""
-    ours, stock, _ = gemma_servers
+    stock, ours = gemma_servers
     rng = random.Random(5)
     cases = [Case(1600, depth, rng.randint(10000, 99999)) for depth in (0.2, 0.5)]
 
     def ask(srv, case):
-        return srv.generate({"text": case.prompt, "sampling_params": GREEDY, "return_entropy": srv is ours})
+        if srv is stock:
+            return srv.generate({"text": case.prompt, "sampling_params": GREEDY})
+        return srv.generate({"text": case.prompt, "sampling_params": {**GREEDY, **OURS}, "return_entropy": True})
 
     with ThreadPoolExecutor(2) as pool:
         pruned = list(pool.map(lambda c: ask(ours, c), cases))
@@ -109,7 +112,7 @@ def test_gemma_traces_cover_every_token_over_its_262k_vocabulary(passkeys):
 
 
 def test_gemma_controller_steers_the_temperature(gemma_servers):
-    ours = gemma_servers[0]
+    ours = gemma_servers[1]
     out = ours.generate(
         {
             "text": "The history of the lighthouse begins",
@@ -118,7 +121,7 @@ def test_gemma_controller_steers_the_temperature(gemma_servers):
                 "max_new_tokens": 24,
                 "temperature": 1.0,
                 "ignore_eos": True,
-                "custom_params": {"entropic": {"target_entropy": 1.0}},
+                "custom_params": {"entropic": {"target_entropy": 1.0, **OURS["custom_params"]["entropic"]}},
             },
         }
     )
@@ -132,7 +135,7 @@ def test_gemma_speculative_decoding_is_token_identical_to_stock(gemma_servers, p
     ~1.6k tokens in, where the sliding layers must see only their last 512; the copying prompt gets drafts accepted."""
     import sglang
 
-    _, stock, spec = gemma_servers
+    stock, spec = gemma_servers
     cases, _, _ = passkeys
     readme = open(sglang.__file__.replace("__init__.py", "README.md")).read()
     copying = readme.split("## Files")[0] + "\n\nThe same list of folders, copied exactly:\n"
