@@ -81,6 +81,7 @@ def test_without_the_flag_only_the_scalars_appear(server):
     assert isinstance(meta["entropic_time"], float) and isinstance(meta["entropic_efficiency"], float)
     for key in ("entropy", "surprisal", "temperature"):
         assert key not in meta
+    assert not [k for k in meta if k.startswith("_entropic")]  # the totals' carriers are not the client's
 
 
 def test_chunked_prefill_keeps_one_value_per_output_token(server, hf_model):
@@ -98,21 +99,28 @@ def test_chunked_prefill_keeps_one_value_per_output_token(server, hf_model):
         assert abs(served - ref) < 1e-3
 
 
-def test_streaming_carries_the_cumulative_traces(server):
+@pytest.mark.parametrize("traced", [True, False])
+def test_streaming_carries_the_cumulative_traces(server, traced):
+    """Each chunk carries the totals as they stand (a stream's last: the request's), whether or not it asked for
+    the per-token traces, and nothing of how they travel."""
     payload = {
         "text": PROMPT,
         "sampling_params": {"max_new_tokens": 10, "temperature": 0},
-        "return_entropy": True,
+        "return_entropy": traced,
         "stream": True,
     }
-    last = None
+    chunks = []
     with requests.post(server.url + "/generate", json=payload, stream=True, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith(b"data:") and line != b"data: [DONE]":
-                last = json.loads(line[5:])
-    meta = last["meta_info"]
-    assert len(meta["entropy"]) == meta["completion_tokens"] == 10
+                chunks.append(json.loads(line[5:])["meta_info"])
+    meta = chunks[-1]
+    assert meta["completion_tokens"] == 10
+    assert len(meta["entropy"]) == 10 if traced else "entropy" not in meta
+    taus = [c["entropic_time"] for c in chunks]
+    assert taus == sorted(taus)  # tau never decreases
     assert meta["entropic_time"] == pytest.approx(_greedy(server, PROMPT, 10)["meta_info"]["entropic_time"], abs=1e-6)
+    assert not [k for c in chunks for k in c if k.startswith("_entropic")]
 
 
 def test_prometheus_series(server):
