@@ -228,3 +228,18 @@ def test_a_request_that_did_not_ask_keeps_no_per_token_trace_only_its_totals(str
     key = RUNNING_KEY if stream else TOTALS_KEY
     assert set(plain.customized_info) == {key} and len(plain.customized_info[key]) == (3 if stream else 1)
     assert plain.customized_info[key][-1]["entropic_time"] == pytest.approx(plain.entropic.trace.tau)
+
+
+def test_a_stream_s_running_totals_keep_one_entry_a_token_through_a_failed_step():
+    """SGLang slices a stream's running totals per chunk by token: a step whose work failed still leaves one entry
+    for each token it committed, as a recorded step does."""
+    from sgl_entropic.plugin.serving.meta_info import RUNNING_KEY
+    from sgl_entropic.plugin.signal.traces import NullRecord
+
+    s = Stepper()
+    req = s.req(traced=False, stream=True)
+    req.output_ids, req.sampling_params = [], SimpleNamespace(max_new_tokens=100)
+    logits = torch.randn(1, 50)
+    s.begin([req], logits, [1.0]).record(logits.clone(), logits.argmax(dim=-1), [32])[1].finish(s.rt)
+    NullRecord(BatchRows.of([req], [True]), committed=[3]).finish(s.rt)  # a verify step of 3 tokens that failed
+    assert len(req.customized_info[RUNNING_KEY]) == 4

@@ -57,6 +57,7 @@ class PendingRecord:
                 state.mirostat.mu = host[4][i]
             if not self.rows.decode:  # a (re)prefilled request starts its decode-budget counts afresh
                 state.decode_skips = state.parked_before_token = 0
+            end = token_count(self.rows.reqs[i]) + 1
             fraction = attended[i] if attended is not None else 1.0
             cost = step_cost(rt.dims, self.seq_lens[i] * (read[i] if read is not None else fraction), self.seq_lens[i])
             record_token(
@@ -75,6 +76,7 @@ class PendingRecord:
                 **(self.plain_drafts(i) if rt.config.speculative_on else {}),
             )
             state.last_step_entropy = entropy[i] if valid[i] > 0 else None
+            send_totals(rt, self.rows.reqs[i], state, end)
         tally.report(rt)
 
     def plain_drafts(self, i: int) -> dict:
@@ -109,32 +111,36 @@ def committed_tokens(req, n: int) -> int:
 
 
 def token_count(req) -> int:
-    """Tokens of `req` that have trace values."""
-    return len((req.customized_info or {}).get("entropy", ()))
+    """Tokens of `req` that have values: in its traces, or on a stream in its running totals."""
+    info = req.customized_info or {}
+    return len(info.get("entropy") or info.get(RUNNING_KEY) or ())
 
 
 def pad_tokens(rt: Runtime, req, state: RequestState, length: int) -> None:
-    """A traced request's per-token lists filled up to `length` values (null where a value could not be computed);
-    every request's totals as they stand."""
+    """A traced request's per-token lists filled up to `length` values (null where a value could not be computed),
+    and every request's totals as they stand after them (`send_totals`)."""
+    info = req.customized_info = req.customized_info if req.customized_info is not None else {}
     if state.traced:
-        info = req.customized_info = req.customized_info if req.customized_info is not None else {}
         for key in TRACE_KEYS + (tuple(NO_DRAFT) if rt.config.speculative_on else ()):
             values = info.setdefault(key, [])
             values.extend([None] * (length - len(values)))
-    send_totals(rt, req, state)
+    send_totals(rt, req, state, length)
 
 
-def send_totals(rt: Runtime, req, state: RequestState) -> None:
-    """The request's cumulative values (tau, its efficiency, its speculation counts) as they stand after a token.
+def send_totals(rt: Runtime, req, state: RequestState, length: int) -> None:
+    """The request's cumulative values (tau, its efficiency, its speculation counts) after a step, `length` its
+    tokens with values so far.
 
-    A stream's chunks each carry the latest (SGLang slices the list per chunk; `RUNNING_KEY`, one per token); any
-    other request's are sent once, when it finishes (`TOTALS_KEY`, one of SGLang's request-level keys)."""
+    A stream's chunks each carry the latest (`RUNNING_KEY`: SGLang slices it per chunk, so it holds one entry a
+    token, the step's totals on each of its tokens); any other request's are sent once, when it finishes
+    (`TOTALS_KEY`, one of SGLang's request-level keys)."""
     totals = {"entropic_time": state.trace.tau, "entropic_efficiency": state.trace.efficiency}
     if rt.config.speculative_on:
         totals["entropic_speculative"] = state.draft_counts.summary()
     info = req.customized_info = req.customized_info if req.customized_info is not None else {}
     if req.stream:
-        info.setdefault(RUNNING_KEY, []).append(totals)
+        running = info.setdefault(RUNNING_KEY, [])
+        running.extend([totals] * (length - len(running)))
     else:
         info[TOTALS_KEY] = [totals]
 
@@ -172,8 +178,8 @@ def record_token(
     decode: bool = True,
     **extra,
 ) -> None:
-    """One committed token: its trace (tau, cost), the gain memory, the request's totals and, where it asked, its
-    per-token values for the client."""
+    """One committed token: its trace (tau, cost), the gain memory and, where it asked, its per-token values for
+    the client (its totals follow once per step: `send_totals`)."""
     trace = state.trace
     if state.controller is not None:
         tally.temperatures.append(temperature)
@@ -197,7 +203,6 @@ def record_token(
             attended=attended,
             **extra,
         )
-    send_totals(rt, req, state)
 
 
 def append_customized(req, **values) -> None:

@@ -23,7 +23,15 @@ from sgl_entropic.drafting import capped_candidates, draft_trials, tree_temperat
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.runtime import Runtime
 from sgl_entropic.plugin.sampling.controller import ControllerTable
-from sgl_entropic.plugin.signal.traces import NO_DRAFT, NullRecord, StepTally, committed_tokens, record_token
+from sgl_entropic.plugin.signal.traces import (
+    NO_DRAFT,
+    NullRecord,
+    StepTally,
+    committed_tokens,
+    send_totals,
+    record_token,
+    token_count,
+)
 from sgl_entropic.plugin.speculation.worker import DraftPlan
 from sgl_entropic.plugin.step import BatchRows, current_step
 from sgl_entropic.sampling import ControllerBatch
@@ -260,7 +268,7 @@ class VerifyRecord:
             if state is None:
                 continue
             work = plan.width * step_cost(rt.dims, self.seq_lens[i] + plan.width)
-            measured = []
+            end, measured = token_count(req) + n, []
             for j in range(n):
                 ok = valid[i][j] > 0
                 record_token(
@@ -291,6 +299,7 @@ class VerifyRecord:
                 state.controller.steps_done += n
             state.last_step_entropy = sum(measured) / len(measured) if measured else None
             state.drafts.observe(tried[i], right[i])
+            send_totals(rt, req, state, end)
         self.tally.report(rt)
         spec.sizer.observe(plan.width, accepted)
         spec.steps += 1
