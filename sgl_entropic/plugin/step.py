@@ -85,6 +85,10 @@ class Step:
             )
         return rows
 
+    def ran_by(self, forward_iter: int) -> bool:
+        """Whether this step's batch ran before or as batch `forward_iter` (a step not yet run did not)."""
+        return self.forward_iter is not None and self.forward_iter <= forward_iter
+
     def set_rows(self, rows: BatchRows) -> bool:
         """ForwardBatch.init_new: the batch the model runs next. False where the step had another batch's
         number (a fault to report: the rows given are still the truth for the forward that follows)."""
@@ -124,7 +128,7 @@ class Steps:
     def done(self, forward_iter: Optional[int]) -> list[Step]:
         """Scheduler.process_batch_result(batch): the steps up to it (None: all), taken out in order."""
         out = []
-        while self.open and (forward_iter is None or (self.open[0].forward_iter or forward_iter + 1) <= forward_iter):
+        while self.open and (forward_iter is None or self.open[0].ran_by(forward_iter)):
             out.append(self.open.popleft())
         return out
 

@@ -25,16 +25,14 @@ _engine_return_entropy = contextvars.ContextVar("sgl_entropic_return_entropy", d
 
 
 def after_update_request_meta_info(result, manager, meta_info, state, *args, **kwargs):
-    totals = meta_info.pop(TOTALS_KEY, None) or meta_info.pop(RUNNING_KEY, None)
-    if totals:
-        meta_info.update(totals[-1])
     # SGLang keeps every chunk's values of a key and puts them back into a stream's last chunk: a stream's running
     # totals need only the latest, and neither key is the client's
-    running = getattr(state, "customized_info_accumulated", {}).get(RUNNING_KEY)
-    if running:
-        del running[:-1]
     for key in (TOTALS_KEY, RUNNING_KEY):
-        getattr(state, "customized_info_reported_keys", set()).discard(key)
+        totals = meta_info.pop(key, None)
+        if totals:
+            meta_info.update(totals[-1])
+            del totals[:-1]  # SGLang's accumulation of the key, which meta_info holds
+        state.customized_info_reported_keys.discard(key)
     traced = getattr(state.obj, "return_entropy", False)
     if not traced:
         return
