@@ -140,14 +140,16 @@ def installed() -> Optional[Runtime]:
     return _runtime
 
 
-def step_rows(forward_batch) -> Optional[BatchRows]:
-    """The rows of the step whose forward batch runs, for readers without a fault path of their own (the attention
-    backend): None outside a step (the start-up probe) or where they are another batch's (a fault, counted)."""
+def step_rows(
+    forward_batch, where: str = "the attention backend's rows (attended without them)"
+) -> Optional[BatchRows]:
+    """The rows of the step whose forward batch runs: None outside a step (the start-up probe) or where they are
+    another batch's (a fault at `where`, counted: the reader goes on without them)."""
     step = _runtime.steps.current if _runtime is not None else None
     if step is None:
         return None
     try:
         return step.rows_for(forward_batch)
-    except RuntimeError:
-        _runtime.fault("the attention backend's rows (attended without them)")
+    except Exception:
+        _runtime.fault(where)
         return None

@@ -181,11 +181,7 @@ def around_sampler_forward(original, sampler, logits_output, sampling_info, *arg
     fb, logits = step.forward_batch, logits_output.next_token_logits
     if fb is None or logits is None:  # not a batch of ours (an idle batch)
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
-    try:
-        rows = step.rows_for(fb)
-    except Exception:
-        rt.fault("the sampling step's rows (sampled without control)")
-        rows = None
+    rows = runtime.step_rows(fb, "the sampling step's rows (sampled without control)")
     if rows is None:
         return original(sampler, logits_output, sampling_info, *args, **kwargs)
     # A fault in our per-step work must cost the step its entropic control, never the scheduler.
