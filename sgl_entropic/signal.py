@@ -74,10 +74,11 @@ def _entropy_and_lse(
     row_max = x.amax(dim=-1) if row_max is None else row_max
     d = x - row_max[:, None] if out is None else torch.sub(x, row_max[:, None], out=out[0])
     e = torch.exp(d) if out is None else torch.exp(d, out=out[1])
-    log_s = e.sum(dim=-1).log()
+    total = e.sum(dim=-1)
+    log_s = total.log()
     ed = e.mul_(d).nansum(dim=-1)
     # H >= 0 exactly; rounding of ln s - ed / s may dip a few ulps below.
-    return (log_s - ed / log_s.exp()).clamp_min(0.0), row_max + log_s
+    return (log_s - ed / total).clamp_min(0.0), row_max + log_s
 
 
 def entropy_exact(logits: torch.Tensor, scratch: Optional[Scratch] = None) -> torch.Tensor:
