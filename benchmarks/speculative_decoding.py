@@ -26,6 +26,9 @@ configuration the same tokens):
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
   long   (asked for by name) the doc questions over two essays at once, 5-7.5k tokens: where `ours` prunes and
          speculation's verify steps do not
+  mix    the paper's mixed workload: agent turns (the agent workload's first turns: an edit, a JSON extraction or a
+         quote of SGLang's text), doc questions and MT-Bench questions in equal parts, one `custom` dataset file
+         per concurrency (the client shuffles them)
   random SGLang's `random` dataset (token ids drawn from the MT-Bench conversations, 512-1024 tokens in, up to 128
          out)
 Per run: output tok/s, per-request decode tok/s (1 / TPOT), p50 and p99 end-to-end latency; d tau/dC from the
@@ -59,15 +62,23 @@ from full_system import plugin_time, plugin_time_during
 
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
-WORKLOADS = ("agent", "doc", "chat", "long", "random")
+WORKLOADS = ("agent", "doc", "chat", "long", "random", "mix")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32},
     "doc": {1: 4, 4: 4, 8: 6},
     "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
     "long": {1: 2, 8: 8},
     "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32},
+    "mix": {1: 6, 4: 9, 8: 12},
 }
-OUTPUT_LEN = {"agent": 96, "doc": 128, "chat": 128, "long": 128, "random": 128}  # the most a turn or answer may take
+OUTPUT_LEN = {
+    "agent": 96,
+    "doc": 128,
+    "chat": 128,
+    "long": 128,
+    "random": 128,
+    "mix": 128,
+}  # the most a turn or answer may take
 CHAT_TEMPLATE = {"gemma3-270m": ["--chat-template", "gemma-it"]}  # a base model: SGLang's template for its family
 
 
@@ -179,6 +190,33 @@ def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path
     return path
 
 
+def mix_files(directory: Path, seed: int, tokenizer) -> dict[int, Path]:
+    """Per concurrency, SIZES['mix'] prompts in the custom dataset's shape: agent turns, doc questions and MT-Bench
+    questions taken in turn, each drawn with a fixed seed from the other workloads' own sources."""
+    rng = random.Random(seed)
+    trace = json.loads(agent_trace(directory / "spec-mix-agent.json", 32, seed).read_text())
+    agent = [
+        "\n\n".join(m["content"] for m in conv[0]["messages"]) for conv in trace["conversations"]
+    ]  # the system prompt and the first ask, as one user turn
+    doc = [
+        json.loads(line)["conversations"][0]["value"]
+        for line in doc_questions(directory / "spec-mix-doc.jsonl", seed, tokenizer).read_text().splitlines()
+    ]
+    chat = [
+        row["conversations"][0]["value"] for row in json.loads(mtbench(directory / "spec-mtbench.json").read_text())
+    ]
+    pools = [rng.sample(pool, len(pool)) for pool in (agent, doc, chat)]
+    files = {}
+    for c, n in SIZES["mix"].items():
+        prompts = [pools[i % 3][i // 3 % len(pools[i % 3])] for i in range(n)]
+        rows = [
+            {"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "(answer)"}]} for p in prompts
+        ]
+        files[c] = directory / f"spec-mix-{c}.jsonl"
+        files[c].write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return files
+
+
 def mtbench(path: Path) -> Path:
     from scheduling_policies import mtbench_file
 
@@ -230,14 +268,14 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
             "0.5",
             *common_args,
         ]
-    if workload in ("doc", "long"):
+    if workload in ("doc", "long", "mix"):
         return [
             "--backend",
             "sglang",
             "--dataset-name",
             "custom",
             "--dataset-path",
-            str(files[workload]),
+            str(files[workload][concurrency] if workload == "mix" else files[workload]),
             "--apply-chat-template",
             *common_args,
         ]
@@ -438,6 +476,7 @@ def main() -> None:
         "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
         "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
         "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2),
+        "mix": lambda: mix_files(common.LOG_DIR, 7, AutoTokenizer.from_pretrained(model)),
     }
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
     if "corpus" in configs:
