@@ -134,12 +134,18 @@ def plugin_time_during(before: dict, after: dict) -> dict:
                 total(b, "mean_us_per_step", before["steps"]), total(h, "mean_us_per_step", after["steps"])
             ),
         }
+    named_before, named_after = before.get("sglang_us_per_step") or {}, after.get("sglang_us_per_step") or {}
     return {
         "steps": steps,
         "hooks": hooks,
         **{
             k: per_step(total(before, k, before["steps"]), total(after, k, after["steps"]))
             for k in ("mean_us_per_step", "mean_step_us", "mean_share")
+        },
+        # SGLang's work the plugin's handlers call (not the plugin's time), e.g. its n-gram matcher
+        "sglang_us_per_step": {
+            label: per_step((named_before.get(label) or 0.0) * before["steps"], (us or 0.0) * after["steps"])
+            for label, us in named_after.items()
         },
     }
 

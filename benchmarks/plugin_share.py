@@ -5,7 +5,9 @@ batches of B concurrent requests, greedy or sampled at `--temperature` (short di
 new tokens each, ignore_eos).
 Between the first and the last batch the server's own account (`/server_info` -> plugin_time,
 plugin/timing.py: the hook handlers' time against the decode step's wall time) gives the plugin's time
-per decode step, the step's time and their ratio (the target: <= 2 %), with every hook's share.
+per decode step, the step's time and their ratio (the target: <= 2 %), with every hook's share, and beside them
+the time of SGLang's n-gram matcher called from the plugin's handlers (each request's own trie, a call a row;
+with `speculative.drafts` 'server' SGLang's one call a batch), which is SGLang's work, not counted as the plugin's.
 
     flock /tmp/sgl-heavy.lock .venv/bin/python benchmarks/plugin_share.py      # docs/data/plugin_share.json
     ... --dtype bfloat16 [--temperature 0.8] --publish plugin_share_bf16[_sampled]
@@ -74,14 +76,15 @@ def main() -> None:
     args = ap.parse_args()
     rows = [r for key in args.models.split(",") for r in measure(key, args)]
     print(
-        "\n| model | batch | decode steps | plugin ms/step | step ms | share | top hooks (ms/step) |\n"
-        "|---|---|---|---|---|---|---|"
+        "\n| model | batch | decode steps | plugin ms/step | step ms | share | SGLang's n-gram calls ms/step (not "
+        "counted) | top hooks (ms/step) |\n|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         top = sorted(((h["mean_us_per_step"] or 0.0, name) for name, h in r["hooks"].items()), reverse=True)[:3]
         print(
             f"| {r['model']} | {r['batch']} | {r['steps']} | {r['mean_us_per_step'] / 1e3:.2f} | "
             f"{r['mean_step_us'] / 1e3:.1f} | {r['mean_share']:.2%} | "
+            f"{(r['sglang_us_per_step'].get('ngram') or 0.0) / 1e3:.2f} | "
             + ", ".join(f"{name} {us / 1e3:.2f}" for us, name in top)
             + " |"
         )

@@ -118,6 +118,31 @@ def test_a_raising_handler_is_still_timed():
     assert times.ns == [5] and times.calls == [1]
 
 
+def test_sglang_s_work_called_by_label_is_not_the_plugin_s_and_is_reported_over_decode_steps():
+    clock = Clock()
+    times = HookTimes(now=clock)
+
+    def match(x):
+        clock.t += 400  # SGLang's n-gram matcher, called a row at a time by the plugin
+        return x * 2
+
+    def handler(x):
+        clock.t += 25
+        return times.sglang_named("ngram", match, x) + times.sglang_named("ngram", match, x)
+
+    (hook,) = timed(_table([("plan", "before", handler, "scheduler")]), times)
+    times.boundary(decode=True)
+    assert hook.handler(3) == 12 and times.ns == [25]
+    clock.t += 1_000
+    times.boundary(decode=True)
+    hook.handler(1)  # a step that is not a decode step: neither counted
+    clock.t += 1_000
+    times.boundary(decode=False)
+    s = times.summary()
+    assert s["steps"] == 1 and s["mean_us_per_step"] == pytest.approx(0.025)
+    assert s["sglang_us_per_step"] == {"ngram": pytest.approx(0.8)}
+
+
 @pytest.mark.server
 def test_server_reports_the_plugins_time_per_decode_step(server):
     for _ in range(3):
@@ -184,3 +209,4 @@ def test_the_benchmark_reads_what_a_server_measured_between_two_reports():
     for key in ("mean_us_per_step", "mean_step_us", "mean_share"):
         assert delta[key] == pytest.approx(expected[key])
     assert delta["hooks"]["A.f:before"] == {"calls": 2, "mean_us_per_step": pytest.approx(0.475)}
+    assert delta["sglang_us_per_step"] == {}

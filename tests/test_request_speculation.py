@@ -205,6 +205,45 @@ def test_a_batch_mixing_opted_out_rows_with_drafting_ones_gets_one_tree_each():
         assert drafts[1, 0] == 7 and set(tries.tries) == {"r0", "r2"} and from_corpus == [False] * 3
 
 
+@pytest.mark.parametrize("prompt_len", [5, 300])
+def test_a_row_trie_drafts_what_sglang_s_wrapper_drafts_step_by_step(prompt_len):
+    """`RowTrie` calls the C++ corpus with its own buffers; SGLang's `NgramCorpus.batch_get` / `batch_put` (the
+    wrapper, a second trie fed the same text) is the reference: the same drafts at every step of a decode, a prompt
+    shorter than the trie's depth included (its tail is shorter too)."""
+    import random
+
+    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+    from sgl_entropic.plugin.speculation.drafts import RowTrie
+
+    depth, width = 18, 8
+    make = lambda: NgramCorpus(max_trie_depth=depth, max_bfs_breadth=4, draft_token_num=width, capacity=50_000)  # noqa: E731
+    rng = random.Random(prompt_len)
+    phrases = [[rng.randrange(2, 60) for _ in range(rng.randrange(3, 9))] for _ in range(6)]
+    text = []
+    while len(text) < prompt_len + 120:  # phrases that repeat: the trie has drafts to offer, some of them right
+        text += rng.choice(phrases)
+    context, reference, mine = text[:prompt_len], make(), None
+    reference.batch_put([context])
+    row = RowTrie(make(), depth, width)
+    row.corpus.batch_put([context])
+    offered = 0
+    for step in range(60):
+        tail = context[-depth:]
+        want = reference.batch_get(["r"], [tail], [len(context)])
+        reference.synchronize()
+        mine = row.match(tail, len(context))
+        assert [a.tolist() for a in mine] == [a.tolist() for a in want], f"step {step}"
+        assert mine[0].dtype == want[0].dtype and mine[1].dtype == want[1].dtype
+        offered += int(mine[0][1] != 0)
+        if step:  # as RequestTries: a new trie took the whole prompt, later steps insert their tail
+            reference.batch_put([tail])
+            row.insert()
+        reference.synchronize()
+        context = context + text[len(context) : len(context) + 1 + step % 3]
+    assert offered > 10  # the comparison covered steps that draft
+
+
 def test_a_program_s_gen_carries_its_speculation_as_plain_json():
     import sgl_entropic
 

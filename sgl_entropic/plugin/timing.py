@@ -4,7 +4,8 @@
 reads and two list updates per call, no lock, nothing allocated beyond the call's own. An around
 handler's time excludes the original it wraps (SGLang's work, or a nested hook's, which counts for
 that hook), and a handler that replaces SGLang's code excludes the SGLang functions it calls through
-`HookTimes.sglang`. A step is one scheduler loop iteration that runs a batch, from one
+`HookTimes.sglang` (`sglang_named` also reports them by label beside the plugin's time: SGLang's n-gram
+matcher, which each request's own trie calls a row at a time). A step is one scheduler loop iteration that runs a batch, from one
 `Scheduler.get_next_batch_to_run` to the next; its batch is that call's `last_batch`, so an idle
 iteration (no batch) is never counted, and neither is the sleep of `--sleep-on-idle` in it. Decode
 steps are aggregated: the plugin's time in the step, the step's wall time, and their ratio.
@@ -39,6 +40,7 @@ class HookTimes:
         self.hook_ns: list[int] = []
         self.hook_calls: list[int] = []
         self.sglang_ns = [0]  # SGLang's own work run from inside a handler (`sglang`): not the handler's time
+        self.named: dict[str, list[int]] = {}  # label -> [this step's ns, decode steps' ns] (`sglang_named`)
 
     def sglang(self, fn: Callable, *args, **kwargs):
         """Call SGLang's own work from inside a handler that replaces its caller: the time is not the plugin's."""
@@ -47,6 +49,15 @@ class HookTimes:
             return fn(*args, **kwargs)
         finally:
             self.sglang_ns[0] += self.now() - t0
+
+    def sglang_named(self, label: str, fn: Callable, *args):
+        """`sglang`, its time also reported under `label`: SGLang's work that the plugin calls, shown beside the
+        plugin's own (the per-request tries call SGLang's n-gram matcher a row at a time)."""
+        t0 = self.now()
+        try:
+            return self.sglang(fn, *args)
+        finally:
+            self.named.setdefault(label, [0, 0])[0] += self.now() - t0
 
     def add(self, name: str) -> int:
         """A slot for one hook; its index is what the wrapper writes to."""
@@ -70,6 +81,10 @@ class HookTimes:
                 self.hook_ns[i] += ns
                 self.hook_calls[i] += calls
             counted = plugin, wall
+            for ns in self.named.values():
+                ns[1] += ns[0]
+        for ns in self.named.values():
+            ns[0] = 0
         for i in range(len(self.ns)):
             self.ns[i] = self.calls[i] = 0
         self._start = now
@@ -88,6 +103,7 @@ class HookTimes:
             "mean_us_per_step": per_step(self.plugin_ns),
             "mean_step_us": per_step(self.wall_ns),
             "mean_share": self.share_sum / n if n else None,
+            "sglang_us_per_step": {label: per_step(ns[1]) for label, ns in self.named.items()},  # not the plugin's
         }
 
 

@@ -16,15 +16,49 @@ Both return SGLang's layout: [bs, W] tokens (node 0 each row's last token) and [
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from sgl_entropic.drafting import DraftHits, offered_drafts
 
 # A request's trie holds this many n-gram nodes at most (about 60 MB); past it SGLang's trie drops the least
 # recently matched ones.
 MAX_NODES = 1 << 18
+
+
+class RowTrie:
+    """One request's trie, SGLang's `NgramCorpus`, called through the calls of its C++ object with buffers kept for the
+    request's life: SGLang's Python wrapper builds six tensors a call, most of a row's cost a step. The C++ copies
+    what it reads before returning (`ngram_corpus_ffi.cpp`), so the buffers are reused at once."""
+
+    def __init__(self, corpus, depth: int, width: int, call: Callable = lambda fn, *args: fn(*args)):
+        self.corpus, self.obj, self.call = corpus, corpus._obj, call  # call: how SGLang's code is run (timed)
+        self.tail = np.zeros(depth, dtype=np.int32)
+        self.offsets = np.zeros(2, dtype=np.int64)  # the tail is tail[:offsets[1]]
+        self.length = np.zeros(1, dtype=np.int64)
+        self.state = torch.zeros(1, dtype=torch.int64)  # one request, one match state: the id 0
+        self.tokens = torch.zeros(width, dtype=torch.int32)
+        self.mask = torch.zeros(width * width, dtype=torch.uint8)
+        self._tail, self._offsets, self._length = (torch.from_numpy(a) for a in (self.tail, self.offsets, self.length))
+
+    def match(self, tail: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The drafts after `tail` (the context's last tokens; `length` all of it), as `NgramCorpus.batch_get`
+        returns them for one row: [W] tokens, [W * W] mask, int64. The trie is read as of every insert before it
+        (`synchronize`): the same drafts on every run."""
+        n = len(tail)
+        self.tail[:n] = tail
+        self.offsets[1], self.length[0] = n, length
+        self.call(self.obj.synchronize)
+        self.call(
+            self.obj.batch_match_stateful, self.state, self._tail, self._offsets, self._length, self.tokens, self.mask
+        )
+        return self.tokens.numpy().astype(np.int64), self.mask.numpy().astype(np.int64)
+
+    def insert(self) -> None:
+        """The tail last matched, inserted by the trie's own thread (`NgramCorpus.batch_put`)."""
+        self.call(self.obj.async_insert, self._tail, self._offsets)
 
 
 @dataclass
@@ -43,11 +77,11 @@ class RequestTries:
     hits: dict = field(default_factory=dict)  # rid -> (its trie's, the corpus's) first-draft record
 
     def drafts(
-        self, worker, batch, skip: frozenset = frozenset()
+        self, worker, batch, skip: frozenset = frozenset(), call: Callable = lambda fn, *args: fn(*args)
     ) -> tuple[np.ndarray, np.ndarray, list[bool], Optional[list]]:
         """[bs, W] tokens, [bs, W, W] masks, whether each row's drafts came from a corpus, and with a corpus each
         row's first draft from each source (-1: none; for `observe`); rows in `skip` (opted out) get a tree of
-        their root alone and keep no trie."""
+        their root alone and keep no trie. `call` runs SGLang's n-gram code (the server times it as SGLang's)."""
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
         args, depth, width = worker.server_args, worker.max_trie_depth, worker.speculative_num_draft_tokens
@@ -75,24 +109,26 @@ class RequestTries:
                 firsts.append((-1, -1))
                 continue
             if i in new:
-                trie = self.tries[req.rid] = NgramCorpus(
-                    max_trie_depth=depth,
-                    min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
-                    max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
-                    draft_token_num=width,
-                    match_type=args.speculative_ngram_match_type,
-                    capacity=min(MAX_NODES, depth * (ctx.length + 1024)),
+                corpus_of_row = call(
+                    lambda: NgramCorpus(
+                        max_trie_depth=depth,
+                        min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+                        max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+                        draft_token_num=width,
+                        match_type=args.speculative_ngram_match_type,
+                        capacity=min(MAX_NODES, depth * (ctx.length + 1024)),
+                    )
                 )
-                trie.batch_put([ctx.full])
+                call(corpus_of_row.batch_put, [ctx.full])
+                trie = self.tries[req.rid] = RowTrie(corpus_of_row, depth, width, call)
             else:
                 trie = self.tries[req.rid]
-            trie.synchronize()  # the trie as of every insert before: the same drafts on every run
-            d, m = trie.batch_get([req.rid], [ctx.tail], [ctx.length])
+            d, m = trie.match(ctx.tail, ctx.length)
             if i not in new:  # this step's tail, inserted by SGLang's insert thread while the step runs
-                trie.batch_put([ctx.tail])
+                trie.insert()
             used = False
             if corpus is not None:
-                cd, cm = corpus.batch_get([req.rid], [ctx.tail], [ctx.length])
+                cd, cm = call(corpus.batch_get, [req.rid], [ctx.tail], [ctx.length])
                 own, other = offers_of(d, m, width), offers_of(cd, cm, width)
                 mine, its = self.hits.setdefault(req.rid, (DraftHits(), DraftHits()))
                 firsts.append((int(d[1]) if own else -1, int(cd[1]) if other else -1))

@@ -13,6 +13,7 @@ Verification, lossless under the request's sampling and the controller, is `veri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -176,11 +177,14 @@ def plan_step(rt: Runtime, spec: "Speculation", worker, batch) -> DraftPlan:
         if p:  # they verify no drafts (verify(): the root only)
             caps[i] = 0
     if spec.tries is None:
-        drafts, mask = rt.times.sglang(worker._prepare_draft_tokens, batch)
+        drafts, mask = rt.times.sglang_named("ngram", worker._prepare_draft_tokens, batch)
         from_corpus, firsts = [False] * bs, None  # SGLang's own match mixes its trie and the corpora
     else:
         drafts, mask, from_corpus, firsts = spec.tries.drafts(
-            worker, batch, frozenset(i for i, r in enumerate(rules) if r == "off")
+            worker,
+            batch,
+            frozenset(i for i, r in enumerate(rules) if r == "off"),
+            functools.partial(rt.times.sglang_named, "ngram"),
         )
         worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
