@@ -4,6 +4,8 @@ Configurations (each a server, started per round in a rotated order, its warm-up
   stock          `python -m sglang.launch_server`, no speculation (stock cannot run NGRAM on CPU: no sgl_kernel)
   ours           `--entropic full` with speculative.draft 'off': the plugin without speculation
   default        `--entropic full` alone: NGRAM under the entropy rule, each request's own trie, at most 12 nodes
+  shared         the default with `speculative.drafts` 'server': SGLang's one trie for every request (fed with each
+                 request's recent tokens, never a prompt) instead of each request's own (its prompt and output)
   corpus         the default plus an external corpus (SGLang's `--speculative-ngram-external-corpus-path`, 8 of the
                  11 drafts a step from it at most): the SGLang modules and README the agent's tools read
   fixed-<k>      ours + NGRAM at k nodes a request every step (SGLang's behaviour; k = 12 is SGLang's default);
@@ -22,6 +24,8 @@ configuration the same tokens):
   agent  multi-turn conversations (`--dataset-name agentic-trace`, the server's own replies fed back) whose
          turns hand the model real text to quote: SGLang's source code to edit, its docs to extract as JSON,
          tool output to report
+  edit, extract  (asked for by name) the agent workload with one kind of turn each: code edits (a function returned
+         with a docstring added) or JSON extraction of a docs section
   doc    question answering and summarization over a 2-4k-token Paul Graham essay (`--dataset-name custom`)
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
   long   (asked for by name) the doc questions over two essays at once, 5-7.5k tokens: where `ours` prunes and
@@ -62,9 +66,11 @@ from full_system import plugin_time, plugin_time_during
 
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
-WORKLOADS = ("agent", "doc", "chat", "long", "random", "mix")
+WORKLOADS = ("agent", "edit", "extract", "doc", "chat", "long", "random", "mix")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32},
+    "edit": {1: 2, 8: 8},
+    "extract": {1: 2, 8: 8},
     "doc": {1: 4, 4: 4, 8: 6},
     "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
     "long": {1: 2, 8: 8},
@@ -73,6 +79,8 @@ SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
 }
 OUTPUT_LEN = {
     "agent": 96,
+    "edit": 96,
+    "extract": 96,
     "doc": 128,
     "chat": 128,
     "long": 128,
@@ -106,29 +114,33 @@ def _sglang_texts() -> tuple[list[str], list[str]]:
     return functions, sections
 
 
-def agent_trace(path: Path, conversations: int, seed: int) -> Path:
-    """Conversations of a coding agent over SGLang's sources: each turn hands it text and asks for a quote, an
-    edit or a JSON extraction of it (the shape the bench client's agentic-trace dataset reads)."""
+def agent_trace(
+    path: Path, conversations: int, seed: int, kinds: tuple[str, ...] = ("edit", "extract", "quote")
+) -> Path:
+    """Conversations of a coding agent over SGLang's sources: each turn hands it text and asks for one of `kinds`: an
+    edit of a function, a JSON extraction of a docs section, a quote of the lines that call another function (the
+    shape the bench client's agentic-trace dataset reads)."""
     rng = random.Random(seed)
     functions, sections = _sglang_texts()
     system = (
         "You are a coding assistant working in the SGLang repository. Tool results are shown to you verbatim; "
         "answer with exactly what the user asks for."
     )
-    asks = [
-        lambda: (
+    every = {
+        "edit": lambda: (
             "Tool result (read_file):\n```python\n" + rng.choice(functions) + "```\nReturn this function with a "
             "one-line docstring added, unchanged otherwise."
         ),
-        lambda: (
+        "extract": lambda: (
             "Tool result (read_file):\n" + rng.choice(sections) + "\nExtract every entry above as a JSON list "
             'of {"name": ..., "description": ...} objects.'
         ),
-        lambda: (
+        "quote": lambda: (
             "Tool result (grep):\n```python\n" + rng.choice(functions) + "```\nQuote the lines that call "
             "another function, one per line."
         ),
-    ]
+    }
+    asks = [every[k] for k in kinds]
     convs = []
     for _ in range(conversations):
         turns = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": rng.choice(asks)()}]}]
@@ -242,14 +254,14 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
         "--warmup-requests",
         "1",
     ]
-    if workload == "agent":
+    if workload in ("agent", "edit", "extract"):
         return [
             "--backend",
             "sglang-oai-chat",
             "--dataset-name",
             "agentic-trace",
             "--dataset-path",
-            str(files["agent"]),
+            str(files[workload]),
             *common_args,
         ]
     if workload == "random":
@@ -394,6 +406,8 @@ def config_command(config: str, port: int, common_args: list[str]) -> list[str]:
         return common.ours_command(port, common_args, "signal")
     if config == "default":
         return common.ours_command(port, common_args, "full")
+    if config == "shared":
+        return common.ours_command(port, common_args, "full", {"speculative": {"drafts": "server"}})
     if config == "corpus":
         corpus = [
             "--speculative-ngram-external-corpus-path",
@@ -463,7 +477,7 @@ def main() -> None:
 
     from sgl_entropic.model import MODELS, prepare_model
 
-    if not MODELS[args.model].chat and set(workloads) - {"agent"}:
+    if not MODELS[args.model].chat and set(workloads) - {"agent", "edit", "extract"}:
         ap.error(f"{args.model} is a base model: only the agent workload (the server applies SGLang's chat template)")
     model = str(prepare_model(args.model))
     if args.output is None:
@@ -472,6 +486,8 @@ def main() -> None:
     common.LOG_DIR.mkdir(parents=True, exist_ok=True)
     make = {
         "agent": lambda: agent_trace(common.LOG_DIR / "spec-agent-trace.json", max(SIZES["agent"].values()), 7),
+        "edit": lambda: agent_trace(common.LOG_DIR / "spec-edit-trace.json", 8, 7, ("edit",)),
+        "extract": lambda: agent_trace(common.LOG_DIR / "spec-extract-trace.json", 8, 7, ("extract",)),
         "doc": lambda: doc_questions(common.LOG_DIR / "spec-doc.jsonl", 7, AutoTokenizer.from_pretrained(model)),
         "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
         "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
@@ -578,9 +594,9 @@ def comparisons(config: str, best: Optional[str], configs: list[str]) -> list[tu
         pairs.append((best, "vs_best_fixed"))
     if config == "entropy":
         pairs.append(("acceptance", "vs_acceptance"))
-    if config in ("default", "entropy", "corpus") and "ours" in configs:  # against the same plugin without it
+    if config in ("default", "entropy", "corpus", "shared") and "ours" in configs:  # against the same plugin without it
         pairs.append(("ours", "vs_ours"))
-    if config == "corpus" and "default" in configs:  # what the corpus adds to the default's own tries
+    if config in ("corpus", "shared") and "default" in configs:  # against the default's own tries alone
         pairs.append(("default", "vs_default"))
     return pairs
 
@@ -684,7 +700,7 @@ def summarize(runs: list[dict], configs: list[str], workloads: list[str], concur
     legend = (
         "Cells: median (min-max) over rounds; then, per round, x stock (each stock server of the run, "
         "stock@<dtype> after stock), x the best fixed length, x acceptance (for the rules), x ours (the plugin without "
-        "speculation), x default (for corpus)."
+        "speculation), x default (for corpus and shared)."
     )
     return summary, legend + "\n\n" + "\n\n".join(text)
 
