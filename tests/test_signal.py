@@ -184,6 +184,26 @@ def test_token_stats_on_a_vocabulary_sized_row_match_float64():
     torch.testing.assert_close(stats.surprisal.double(), -dist.log_prob(tokens), atol=1e-4, rtol=1e-5)
 
 
+def test_the_scratch_gathers_rows_as_index_select_does_and_gives_back_fresh_memory_past_its_cap(monkeypatch):
+    """A verify step's committed rows of the logits, gathered into the reused buffer: equal to index_select for
+    gathers that grow and shrink and for another dtype; past the cap, new memory (the buffer is not grown)."""
+    import sgl_entropic.signal as signal
+
+    gen = torch.Generator().manual_seed(5)
+    scratch = Scratch()
+    for rows, index in ((12, [0, 3, 4, 9]), (30, [2, 7, 8, 9, 10, 11, 20, 29]), (6, [5, 1]), (12, [0, 3, 4, 9])):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(rows, 700, generator=gen) * 4).to(dtype)
+            picked = torch.tensor(index)
+            got = scratch.rows(x, picked)
+            assert got.dtype == dtype and torch.equal(got, x.index_select(0, picked))
+    kept = scratch._rows
+    monkeypatch.setattr(signal, "ROWS_KEPT", 700 * 3)
+    x = torch.randn(12, 700, generator=gen)
+    big = scratch.rows(x, torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(big, x[:4]) and scratch._rows is kept and big.data_ptr() != kept.data_ptr()
+
+
 def test_the_reused_scratch_gives_the_values_of_fresh_memory():
     """The sampler hook computes into reused buffers (signal.Scratch); batches of every shape, masked and
     broken rows included, must come out as from freshly allocated temporaries, however the buffers were left."""

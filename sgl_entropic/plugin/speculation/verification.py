@@ -193,7 +193,7 @@ def record(
         row_greedy = greedy.numpy()[np.nonzero(committed)[0]]
         temps = node_t.view(-1).index_select(0, keep)
         inv_t = torch.where(torch.from_numpy(row_greedy), 1.0, 1.0 / temps)  # greedy: measured at T = 1
-        at = logits.narrow(0, int(keep[0]), len(keep)) if contiguous(keep) else logits.index_select(0, keep)
+        at = logits.narrow(0, int(keep[0]), len(keep)) if contiguous(keep) else rt.scratch.rows(logits, keep)
         measured = token_stats(at, target.index_select(0, keep), inv_t, rt.scratch)
         host = np.zeros((6, bs, width), dtype=np.float32)
         host[:, committed] = np.stack(
