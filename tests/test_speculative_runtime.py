@@ -89,20 +89,36 @@ SAMPLED = CHAT.format("Count with me: one, two, three, one, two, three, one, two
 CONTROLLER = {"target_entropy": 1.5, "eta": 0.3, "t_min": 0.5, "t_max": 1.8, "t_init": 1.0}
 
 
-def _sampled_tokens(server, n: int, length: int) -> tuple[list[list[int]], dict]:
+def _sampled(server, n: int, length: int, text: str = SAMPLED, speculative=None) -> list[dict]:
+    entropic = {**CONTROLLER, **({"speculative": speculative} if speculative else {})}
     body = {
-        "text": [SAMPLED] * n,
+        "text": [text] * n,
         "sampling_params": {
             "max_new_tokens": length,
             "temperature": 1.0,
             "ignore_eos": True,
-            "custom_params": {"entropic": CONTROLLER},
+            "custom_params": {"entropic": entropic},
         },
     }
     r = requests.post(server.url + "/generate", json=body, timeout=900)
     assert r.status_code == 200, r.text
-    outs = r.json()
-    return [o["output_ids"] for o in outs], outs[0]["meta_info"]
+    return r.json()
+
+
+def _same_distribution(plain: list[list[int]], spec: list[list[int]], length: int) -> int:
+    """Chi-square per position from the second (the first comes from the prefill), rare tokens pooled; returns how
+    many positions had more than one likely token (the others test nothing)."""
+    tested = 0
+    for position in range(1, length):
+        counts = [Counter(o[position] for o in outs) for outs in (plain, spec)]
+        common = [t for t in set(counts[0]) | set(counts[1]) if counts[0][t] + counts[1][t] >= 10]
+        table = [[c[t] for t in common] + [sum(v for t, v in c.items() if t not in common)] for c in counts]
+        table = [row for row in zip(*table) if sum(row) > 0]
+        if len(table) >= 2:
+            tested += 1
+            p = chi2_contingency(list(zip(*table)))[1]
+            assert p > 1e-3, (position, counts)
+    return tested
 
 
 def test_sampled_output_under_the_controller_has_the_distribution_of_plain_decoding(server, spec_server):
@@ -110,18 +126,32 @@ def test_sampled_output_under_the_controller_has_the_distribution_of_plain_decod
     test per position (rare tokens pooled) that would fail a verifier that commits the argmax, as SGLang's own
     CPU verification does, or one that skips the controller."""
     n, length = 120, 4
-    plain, _ = _sampled_tokens(server, n, length)
-    spec, _ = _sampled_tokens(spec_server, n, length)
+    plain = [o["output_ids"] for o in _sampled(server, n, length)]
+    spec = [o["output_ids"] for o in _sampled(spec_server, n, length)]
     accepted = spec_server.get("/server_info").json()["internal_states"][0]["entropic"]["speculative"]
     assert accepted["accepted_per_row_step"] > 0.2  # drafts were accepted: the test exercises verification
-    for position in range(1, length):
-        counts = [Counter(o[position] for o in outs) for outs in (plain, spec)]
-        common = [t for t in set(counts[0]) | set(counts[1]) if counts[0][t] + counts[1][t] >= 10]
-        table = [[c[t] for t in common] + [sum(v for t, v in c.items() if t not in common)] for c in counts]
-        table = [row for row in zip(*table) if sum(row) > 0]
-        assert len(table) >= 2, counts  # the position has more than one likely token
-        p = chi2_contingency(list(zip(*table)))[1]
-        assert p > 1e-3, (position, counts)
+    assert _same_distribution(plain, spec, length) == length - 1  # every position has more than one likely token
+
+
+OPEN = CHAT.format("Write a list of ten animals, in any order.")
+
+
+def test_sampled_output_with_drafts_from_a_corpus_has_the_distribution_of_plain_decoding(server, entropy_spec_server):
+    """The sampling check with drafts from an external corpus: the corpus holds continuations the plain server
+    sampled for the same prompt (whose own trie, over a prompt that repeats nothing, offers little), each request
+    verifying every draft offered (rule 'matched'); token frequencies at each position against plain decoding."""
+    n, length, url = 120, 4, entropy_spec_server.url
+    documents = [OPEN + o["text"] for o in _sampled(server, 16, 24, OPEN)]
+    r = requests.post(url + "/add_external_corpus", json={"corpus_id": "samples", "documents": documents}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        spec = _sampled(entropy_spec_server, n, length, OPEN, {"draft": "matched"})
+    finally:
+        requests.post(url + "/remove_external_corpus", json={"corpus_id": "samples"}, timeout=60)
+    counts = [o["meta_info"]["entropic_speculative"] for o in spec]
+    assert sum(c["corpus_drafts_accepted"] for c in counts) >= n // 4  # the corpus's drafts were verified and taken
+    plain = [o["output_ids"] for o in _sampled(server, n, length, OPEN)]
+    assert _same_distribution(plain, [o["output_ids"] for o in spec], length) >= 2
 
 
 def test_mirostat_which_verification_cannot_follow_is_http_400(spec_server):
