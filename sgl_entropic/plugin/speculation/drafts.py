@@ -28,12 +28,17 @@ from sgl_entropic.drafting import DraftHits, offered_drafts
 MAX_NODES = 1 << 18
 
 
+def directly(fn: Callable, *args):
+    """SGLang's code run as is (the server passes its timer instead: `HookTimes.sglang_named`)."""
+    return fn(*args)
+
+
 class RowTrie:
     """One request's trie, SGLang's `NgramCorpus`, called through the calls of its C++ object with buffers kept for the
     request's life: SGLang's Python wrapper builds six tensors a call, most of a row's cost a step. The C++ copies
     what it reads before returning (`ngram_corpus_ffi.cpp`), so the buffers are reused at once."""
 
-    def __init__(self, corpus, depth: int, width: int, call: Callable = lambda fn, *args: fn(*args)):
+    def __init__(self, corpus, depth: int, width: int, call: Callable = directly):
         self.corpus, self.obj, self.call = corpus, corpus._obj, call  # call: how SGLang's code is run (timed)
         self.tail = np.zeros(depth, dtype=np.int32)
         self.offsets = np.zeros(2, dtype=np.int64)  # the tail is tail[:offsets[1]]
@@ -77,7 +82,7 @@ class RequestTries:
     hits: dict = field(default_factory=dict)  # rid -> (its trie's, the corpus's) first-draft record
 
     def drafts(
-        self, worker, batch, skip: frozenset = frozenset(), call: Callable = lambda fn, *args: fn(*args)
+        self, worker, batch, skip: frozenset = frozenset(), call: Callable = directly
     ) -> tuple[np.ndarray, np.ndarray, list[bool], Optional[list]]:
         """[bs, W] tokens, [bs, W, W] masks, whether each row's drafts came from a corpus, and with a corpus each
         row's first draft from each source (-1: none; for `observe`); rows in `skip` (opted out) get a tree of
