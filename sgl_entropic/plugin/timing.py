@@ -4,9 +4,10 @@
 reads and two list updates per call, no lock, nothing allocated beyond the call's own. An around
 handler's time excludes the original it wraps (SGLang's work, or a nested hook's, which counts for
 that hook), and a handler that replaces SGLang's code excludes the SGLang functions it calls through
-`HookTimes.sglang` (`sglang_named` also reports them by label beside the plugin's time: SGLang's n-gram
-matcher, which each request's own trie calls a row at a time). A step is one scheduler loop iteration that runs a batch, from one
-`Scheduler.get_next_batch_to_run` to the next; its batch is that call's `last_batch`, so an idle
+`HookTimes.sglang` (`sglang_named` also reports them by label beside the plugin's time: SGLang's
+n-gram matcher, which each request's own trie calls a row at a time). A step is one scheduler loop
+iteration that runs a batch, from one `Scheduler.get_next_batch_to_run` to the next; its batch is
+that call's `last_batch`, so an idle
 iteration (no batch) is never counted, and neither is the sleep of `--sleep-on-idle` in it. Decode
 steps are aggregated: the plugin's time in the step, the step's wall time, and their ratio.
 What is not a hook is not timed: the `entropic` attention backend replaces SGLang's attention, so
