@@ -66,7 +66,8 @@ from full_system import plugin_time, plugin_time_during
 
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
-WORKLOADS = ("agent", "edit", "extract", "doc", "chat", "long", "random", "mix")
+TRACES = ("agent", "edit", "extract")  # multi-turn conversations through the bench client's agentic-trace dataset
+WORKLOADS = (*TRACES, "doc", "chat", "long", "random", "mix")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32},
     "edit": {1: 2, 8: 8},
@@ -254,7 +255,7 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
         "--warmup-requests",
         "1",
     ]
-    if workload in ("agent", "edit", "extract"):
+    if workload in TRACES:
         return [
             "--backend",
             "sglang-oai-chat",
@@ -477,8 +478,11 @@ def main() -> None:
 
     from sgl_entropic.model import MODELS, prepare_model
 
-    if not MODELS[args.model].chat and set(workloads) - {"agent", "edit", "extract"}:
-        ap.error(f"{args.model} is a base model: only the agent workload (the server applies SGLang's chat template)")
+    if not MODELS[args.model].chat and set(workloads) - set(TRACES):
+        ap.error(
+            f"{args.model} is a base model: only the agent, edit and extract workloads "
+            "(the server applies SGLang's chat template)"
+        )
     model = str(prepare_model(args.model))
     if args.output is None:
         args.output = str(DATA.with_name(common.data_name(DATA.stem, args.model) + ".json"))

@@ -223,7 +223,7 @@ def test_a_row_trie_drafts_what_sglang_s_wrapper_drafts_step_by_step(prompt_len)
     text = []
     while len(text) < prompt_len + 120:  # phrases that repeat: the trie has drafts to offer, some of them right
         text += rng.choice(phrases)
-    context, reference, mine = text[:prompt_len], make(), None
+    context, reference = text[:prompt_len], make()
     reference.batch_put([context])
     row = RowTrie(make(), depth, width)
     row.corpus.batch_put([context])

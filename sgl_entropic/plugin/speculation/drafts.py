@@ -80,14 +80,17 @@ class RequestTries:
 
     tries: dict = field(default_factory=dict)
     hits: dict = field(default_factory=dict)  # rid -> (its trie's, the corpus's) first-draft record
+    call: Callable = directly  # how SGLang's n-gram code is run (the server times it as SGLang's)
 
     def drafts(
-        self, worker, batch, skip: frozenset = frozenset(), call: Callable = directly
+        self, worker, batch, skip: frozenset = frozenset()
     ) -> tuple[np.ndarray, np.ndarray, list[bool], Optional[list]]:
         """[bs, W] tokens, [bs, W, W] masks, whether each row's drafts came from a corpus, and with a corpus each
         row's first draft from each source (-1: none; for `observe`); rows in `skip` (opted out) get a tree of
-        their root alone and keep no trie. `call` runs SGLang's n-gram code (the server times it as SGLang's)."""
+        their root alone and keep no trie."""
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+        call = self.call
 
         args, depth, width = worker.server_args, worker.max_trie_depth, worker.speculative_num_draft_tokens
         current = {req.rid for req in batch.reqs}

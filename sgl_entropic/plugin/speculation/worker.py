@@ -112,7 +112,11 @@ def after_alloc_memory_pool(result, worker, *args, **kwargs):
             costs = load_or_measure(worker.model_runner, width)
         except Exception:  # the server serves; without a table the rule verifies every draft offered
             rt.fault("the draft rule's cost table")
-    tries = RequestTries() if rt.config.speculative.drafts == "request" else None
+    tries = (
+        RequestTries(call=functools.partial(rt.times.sglang_named, "ngram"))
+        if rt.config.speculative.drafts == "request"
+        else None
+    )
     # plain steps on CPU (on CUDA the verify forward keeps its graphs), for models without recurrent state
     plain = torch.device(worker.device).type == "cpu" and mambaish_config(worker.model_runner.model_config) is None
     rt.speculation = Speculation(DraftSizer(rule, width, costs), tries, plain, sampler=worker.model_runner.sampler)
@@ -181,10 +185,7 @@ def plan_step(rt: Runtime, spec: "Speculation", worker, batch) -> DraftPlan:
         from_corpus, firsts = [False] * bs, None  # SGLang's own match mixes its trie and the corpora
     else:
         drafts, mask, from_corpus, firsts = spec.tries.drafts(
-            worker,
-            batch,
-            frozenset(i for i, r in enumerate(rules) if r == "off"),
-            functools.partial(rt.times.sglang_named, "ngram"),
+            worker, batch, frozenset(i for i, r in enumerate(rules) if r == "off")
         )
         worker.prev_token_ids, worker.prev_accept_lens = [], [0] * bs  # SGLang's trie update reads them
     drafts, mask = drafts.reshape(bs, full), mask.reshape(bs, full, full)
