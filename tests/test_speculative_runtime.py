@@ -141,7 +141,7 @@ def test_sampled_output_with_drafts_from_a_corpus_has_the_distribution_of_plain_
     sampled for the same prompt (whose own trie, over a prompt that repeats nothing, offers little), each request
     verifying every draft offered (rule 'matched'); token frequencies at each position against plain decoding."""
     n, length, url = 120, 4, entropy_spec_server.url
-    documents = [OPEN + o["text"] for o in _sampled(server, 16, 24, OPEN)]
+    documents = [OPEN + o["text"] for o in _sampled(server, 48, 24, OPEN)]
     r = requests.post(url + "/add_external_corpus", json={"corpus_id": "samples", "documents": documents}, timeout=60)
     assert r.status_code == 200, r.text
     try:
