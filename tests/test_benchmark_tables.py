@@ -1,0 +1,34 @@
+"""The grid table of the default (benchmarks/speculative_grid.py) over small data files of the benchmark's shape."""
+
+from __future__ import annotations
+
+import json
+
+import speculative_grid  # tests/conftest.py puts benchmarks/ on the path
+
+
+def _cell(median: float, low: float, high: float, vs_ours=None) -> dict:
+    ratios = {"vs_stock_float32": {"median": median, "min": low, "max": high}}
+    if vs_ours is not None:
+        ratios["vs_ours"] = {"median": vs_ours, "min": vs_ours, "max": vs_ours}
+    return {"tok_s": {"median": 10.0 * median, "min": 0, "max": 0, **ratios}, "p50_e2e_s": {"median": 1.0}}
+
+
+def test_a_cell_whose_worst_round_is_below_0_95_is_marked_and_a_file_not_run_is_left_out(tmp_path):
+    plain = {"tok_s": {"median": 10.0}, "p50_e2e_s": {"median": 1.0}}
+    summary = {
+        "doc-B1": {"stock@float32": plain, "ours": plain, "default": _cell(1.2, 1.1, 1.3, vs_ours=1.1)},
+        "doc-B4": {"stock@float32": plain, "ours": plain, "default": _cell(1.2, 0.9, 1.3, vs_ours=1.1)},
+        "chat-B1": {"stock@float32": plain, "ours": plain, "default": _cell(1.2, 1.1, 1.3, vs_ours=0.98)},
+        "chat-B4": {"stock@float32": plain, "default": _cell(1.2, 1.1, 1.3)},  # no `ours`: not a grid cell
+    }
+    runs = [{"config": "default", "workload": "doc", "concurrency": 1, "median_tpot_ms": t} for t in (30.0, 50.0, 40.0)]
+    (tmp_path / "a.json").write_text(json.dumps({"summary": summary, "runs": runs}))
+    table = speculative_grid.rows(("missing.json", "a.json"), tmp_path)
+    assert [(r["workload"], r["batch"], r["loses"]) for r in table] == [
+        ("doc", 1, False),
+        ("doc", 4, True),
+        ("chat", 1, True),
+    ]
+    assert table[0]["tpot"] == [None, None, 40.0] and table[0]["x_stock"] == "1.20x (1.10-1.30)"
+    assert "below target" in speculative_grid.markdown(table).splitlines()[3]
