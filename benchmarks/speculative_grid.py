@@ -58,8 +58,8 @@ def rows(files: tuple[str, ...] = FILES, data: Path = DATA) -> list[dict]:
         path = data / name
         if not path.exists():
             continue
-        data = json.loads(path.read_text())
-        for key, cells in data["summary"].items():
+        run = json.loads(path.read_text())
+        for key, cells in run["summary"].items():
             if not {STOCK, OURS, DEFAULT} <= cells.keys():
                 continue
             workload, batch = key.rsplit("-B", 1)
@@ -74,7 +74,7 @@ def rows(files: tuple[str, ...] = FILES, data: Path = DATA) -> list[dict]:
                     "x_stock": ratio(tok, "vs_stock_float32"),
                     "x_ours": ratio(tok, "vs_ours"),
                     "p50_x_stock": ratio(p50, "vs_stock_float32"),
-                    "tpot": [tpot_ms(data["runs"], c, workload, int(batch)) for c in (STOCK, OURS, DEFAULT)],
+                    "tpot": [tpot_ms(run["runs"], c, workload, int(batch)) for c in (STOCK, OURS, DEFAULT)],
                     "accepted": cells[DEFAULT].get("accepted_per_verify", {}).get("median"),
                     "loses": loses(tok),
                     "file": name,

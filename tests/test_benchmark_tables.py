@@ -23,12 +23,13 @@ def test_a_cell_whose_worst_round_is_below_0_95_is_marked_and_a_file_not_run_is_
         "chat-B4": {"stock@float32": plain, "default": _cell(1.2, 1.1, 1.3)},  # no `ours`: not a grid cell
     }
     runs = [{"config": "default", "workload": "doc", "concurrency": 1, "median_tpot_ms": t} for t in (30.0, 50.0, 40.0)]
-    (tmp_path / "a.json").write_text(json.dumps({"summary": summary, "runs": runs}))
-    table = speculative_grid.rows(("missing.json", "a.json"), tmp_path)
-    assert [(r["workload"], r["batch"], r["loses"]) for r in table] == [
-        ("doc", 1, False),
-        ("doc", 4, True),
-        ("chat", 1, True),
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(json.dumps({"summary": summary, "runs": runs}))
+    table = speculative_grid.rows(("a.json", "missing.json", "b.json"), tmp_path)
+    assert [(r["workload"], r["batch"], r["loses"], r["file"]) for r in table] == [
+        (w, b, loses, f)
+        for f in ("a.json", "b.json")
+        for w, b, loses in (("doc", 1, False), ("doc", 4, True), ("chat", 1, True))
     ]
     assert table[0]["tpot"] == [None, None, 40.0] and table[0]["x_stock"] == "1.20x (1.10-1.30)"
     assert "below target" in speculative_grid.markdown(table).splitlines()[3]
