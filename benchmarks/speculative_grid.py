@@ -52,7 +52,8 @@ def tpot_ms(runs: list[dict], config: str, workload: str, batch: int) -> float |
 
 
 def rows(files: tuple[str, ...] = FILES, data: Path = DATA) -> list[dict]:
-    """One row a (workload, batch) of every file present, in the order of `files`."""
+    """One row a (workload, batch) of every file present: workloads in the order `files` first give them, each by
+    batch size."""
     out = []
     for name in files:
         path = data / name
@@ -80,7 +81,10 @@ def rows(files: tuple[str, ...] = FILES, data: Path = DATA) -> list[dict]:
                     "file": name,
                 }
             )
-    return out
+    first = {}
+    for r in out:
+        first.setdefault(r["workload"], len(first))
+    return sorted(out, key=lambda r: (first[r["workload"]], r["batch"]))  # stable: files in order within a cell
 
 
 def markdown(table: list[dict]) -> str:
