@@ -24,7 +24,6 @@ FILES = (  # the runs with stock in fp32 (its best dtype here), ours and the def
     "speculative_default_b16.json",
     "speculative_summary.json",
     "speculative_random.json",
-    "speculative_random_b4_b32.json",
     "speculative_mix.json",
 )
 STOCK, OURS, DEFAULT = "stock@float32", "ours", "default"
