@@ -56,14 +56,12 @@ class HookTimes:
         plugin's own (the per-request tries call SGLang's n-gram matcher a row at a time)."""
         t0 = self.now()
         try:
-            return fn(*args)
+            return self.sglang(fn, *args)
         finally:
-            ns = self.now() - t0
-            self.sglang_ns[0] += ns
             slot = self.named.get(label)
             if slot is None:
                 slot = self.named[label] = [0, 0]
-            slot[0] += ns
+            slot[0] += self.now() - t0
 
     def add(self, name: str) -> int:
         """A slot for one hook; its index is what the wrapper writes to."""
