@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,27 +72,80 @@ def crossover(timings: Sequence[Timing], margin: float = MARGIN) -> Optional[int
     return found
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def plain_step_seconds(
+    kernel: Sequence[Timing], pruned: Sequence[Timing], dense_kernel_from: Optional[int], min_context: Optional[int]
+) -> Optional[list[tuple[int, float]]]:
+    """(context, seconds) of a decode step's attention as the CPU backend runs it at each timed context: SGLang's
+    loop below `dense_kernel_from`, our kernel over every page from there, the pruned path from `min_context`.
+    None where a regime the step would run was not timed (a crossover given instead of measured)."""
+    over_all = {t.context: t for t in kernel}
+    pruned_at = {t.context: t.sparse_s for t in pruned}
+    out = []
+    for n in sorted(over_all):
+        if min_context is not None and n >= min_context:
+            if n not in pruned_at:
+                return None
+            out.append((n, pruned_at[n]))
+        else:
+            t = over_all[n]
+            out.append((n, t.sparse_s if dense_kernel_from is not None and n >= dense_kernel_from else t.dense_s))
+    return out or None
+
+
+def others_cpu() -> float:
+    """CPU seconds the machine's other processes have used so far (Linux: /proc/stat's busy time less this process's
+    own); 0 where /proc/stat cannot be read, which counts every pass as quiet."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait; steal counts
+    return busy - time.process_time()
+
+
+def fastest(
+    fns: Sequence[Callable[[], object]],
+    sync: Callable[[], None] = lambda: None,
+    settled: int = 3,
+    most: int = 20,
+    others: Callable[[], float] = others_cpu,
+) -> list[float]:
+    """Each call's fastest time over passes through the whole list after one untimed pass, counting only quiet
+    passes (the machine's other processes used under a tenth of a core meanwhile), until `settled` quiet passes,
+    at most `most` (then the fastest of every pass). At start-up SGLang's other processes load beside the scheduler
+    for seconds; timings taken inside that burst would be kept for the machine's life."""
+    quiet, loud = [float("inf")] * len(fns), [float("inf")] * len(fns)
+    calm = 0
+    for r in range(most + 1):
+        start, wall = others(), time.perf_counter()
+        times = []
+        for fn in fns:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        if not r:
+            continue
+        loud = [min(a, b) for a, b in zip(loud, times)]
+        if others() - start < 0.1 * (time.perf_counter() - wall):
+            quiet, calm = [min(a, b) for a, b in zip(quiet, times)], calm + 1
+            if calm >= settled:
+                break
+    return quiet if calm else loud
 
 
 def measure(
-    step: Callable[[int, bool], Callable[[], object]], contexts: Sequence[int], repeats: int = 3
+    step: Callable[[int, bool], Callable[[], object]],
+    contexts: Sequence[int],
+    settled: int = 3,
+    others: Callable[[], float] = others_cpu,
 ) -> list[Timing]:
-    """Time the step `step(context, sparse)` builds, dense and sparse, at each context: the fastest
-    of `repeats` calls each after one untimed warm-up, alternating dense and sparse so that a burst
-    of load on a shared machine slows both rather than one."""
-    out = []
-    for n in contexts:
-        dense, sparse = step(n, False), step(n, True)
-        dense(), sparse()
-        d = s = float("inf")
-        for _ in range(repeats):
-            d, s = min(d, _timed(dense)), min(s, _timed(sparse))
-        out.append(Timing(n, d, s))
-    return out
+    """Time the step `step(context, sparse)` builds, dense and sparse, at each context (`fastest`: dense and sparse
+    alternate, so that load slows both rather than one)."""
+    fns = [f for n in contexts for f in (step(n, False), step(n, True))]
+    times = fastest(fns, settled=settled, others=others)
+    return [Timing(n, times[2 * i], times[2 * i + 1]) for i, n in enumerate(contexts)]
 
 
 def timings_file(directory: Path, key: dict) -> Path:

@@ -105,6 +105,11 @@ def _interp(x, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
     return y
 
 
+def _nondecreasing(ys: Sequence[float]) -> tuple[float, ...]:
+    """Each value capped by every later one (the running minimum from the end)."""
+    return tuple(np.minimum.accumulate(np.asarray(ys, dtype=float)[::-1])[::-1].tolist()) if len(ys) else ()
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """What a decode step costs on this machine, in seconds: a table measured once per machine, model and dtype and
@@ -112,9 +117,11 @@ class StepCosts:
 
     A forward over n tokens costs the model's GEMMs at n rows (its linear layers, the LM head, one pass over the
     vocabulary: `tokens` -> `gemm`), plus each row's attention over its context at the step's width (`attention`,
-    timed at `widths` (1 and the widest), linear between; a plain decode step's is width 1's, the same gather of
-    the row's keys for one query). Measured, not modelled from FLOPs: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x
-    one row's while bf16 ones with AVX-512 stay within 1.3x up to 8 rows (benchmarks/small_gemm.py).
+    timed at `widths` (1 and the widest), linear between, through the verify forward's attention). A plain decode
+    step's attention is what the attention backend runs at each context (`plain_attention` at `plain_contexts`: SGLang's
+    loop, our kernel over every page, or the pruned kernel, from the backend's kept crossover timings); without those,
+    width 1's. Measured, not modelled from FLOPs: on a CPU, fp32 GEMMs over 2-3 rows cost 2-3x one row's while bf16
+    ones with AVX-512 stay within 1.3x up to 8 rows (benchmarks/small_gemm.py).
     """
 
     tokens: tuple[int, ...] = ()
@@ -122,7 +129,16 @@ class StepCosts:
     contexts: tuple[int, ...] = ()
     widths: tuple[int, int] = (1, 1)
     attention: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())  # [width][context], one row, every layer
+    plain_contexts: tuple[int, ...] = ()
+    plain_attention: tuple[float, ...] = ()  # [context] one row's on the plain decode path, every layer
     _gemm_prices: dict = field(default_factory=dict, compare=False, repr=False)  # (rows, widths) -> prices
+
+    def __post_init__(self):
+        # A forward over more tokens, or attention over a longer context, never costs less: a timing above a later
+        # one is a burst of load (the table is timed at start-up, beside SGLang's other processes on two cores).
+        object.__setattr__(self, "gemm", _nondecreasing(self.gemm))
+        object.__setattr__(self, "attention", tuple(_nondecreasing(a) for a in self.attention))
+        object.__setattr__(self, "plain_attention", _nondecreasing(self.plain_attention))
 
     @property
     def measured(self) -> bool:
@@ -133,15 +149,16 @@ class StepCosts:
 
     def plain(self, contexts: Sequence[int]) -> float:
         """A plain decode step of rows at these context lengths."""
-        return self.verify(contexts, 1)
+        return float(self.prices(contexts, [1], plain=True)[0])
 
     def verify(self, contexts: Sequence[int], width: int) -> float:
         """A verify step of rows at these context lengths, `width` nodes each."""
         return float(self.prices(contexts, [width])[0])
 
-    def prices(self, contexts: Sequence[int], widths: Sequence[int]) -> np.ndarray:
-        """A verify step's price at each of `widths` for rows at these context lengths (the rule prices every width
-        each step: the GEMMs' part is kept per row count and widths, the attention's is two interpolations)."""
+    def prices(self, contexts: Sequence[int], widths: Sequence[int], plain: bool = False) -> np.ndarray:
+        """A verify step's price at each of `widths` for rows at these context lengths, width 1 the plain decode
+        step's where `plain` (the rule prices every width each step: the GEMMs' part is kept per row count and
+        widths, the attention's is two or three interpolations)."""
         key = (len(contexts), tuple(widths))
         fixed = self._gemm_prices.get(key)
         if fixed is None:
@@ -151,7 +168,11 @@ class StepCosts:
             fixed = self._gemm_prices[key] = (_interp(len(contexts) * w, self.tokens, self.gemm), share)
         gemm, share = fixed
         narrow, wide = (float(_interp(contexts, self.contexts, a).sum()) for a in self.attention)
-        return gemm + narrow + share * (wide - narrow)
+        out = gemm + narrow + share * (wide - narrow)
+        if plain and self.plain_attention:
+            ones = np.asarray(widths) == 1
+            out[ones] = gemm[ones] + float(_interp(contexts, self.plain_contexts, self.plain_attention).sum())
+        return out
 
     def table(self) -> dict:
         """`/server_info`: the table, in milliseconds."""
@@ -162,6 +183,8 @@ class StepCosts:
             "contexts": list(self.contexts),
             "attention_widths": list(self.widths),
             "attention_ms": [ms(v) for v in self.attention],
+            "plain_contexts": list(self.plain_contexts),
+            "plain_attention_ms": ms(self.plain_attention),
         }
 
 
@@ -232,7 +255,7 @@ def entropy_width(
     widths = depth[:, 0] + 1
     if not costs.measured:
         return int(widths[np.flatnonzero(committed >= committed.max() * (1 - 1e-9))[0]])
-    cost = costs.prices(contexts, widths)  # width 1: the plain step's price (a plain step attends one query too)
+    cost = costs.prices(contexts, widths, plain)
     rate = committed / cost
     best = 1 + int(np.flatnonzero(rate[1:] >= rate[1:].max() * (1 - 1e-9))[0])
     margin = margin if plain else 0.0  # a verify at width 1 does the host work a wider one does

@@ -5,6 +5,7 @@ width rule does what it states."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -203,6 +204,18 @@ def test_step_costs_price_forwards_by_tokens_and_attention_by_context_and_width(
     assert not StepCosts().measured
 
 
+def test_a_timing_above_a_later_one_is_load_not_cost():
+    """Timed at start-up beside SGLang's other processes, a forward over 1 token once took 35 ms and over 4 tokens
+    17 ms: one burst would make a plain step look dear, and the table is kept for the machine's life."""
+    costs = StepCosts(
+        (1, 2, 4), (0.035, 0.018, 0.017), (256, 1024), (1, 4), ((0.05, 0.02), (0.03, 0.04)), (256, 1024), (0.9, 0.1)
+    )
+    assert costs.gemm == (0.017, 0.017, 0.017)
+    assert costs.attention == ((0.02, 0.02), (0.03, 0.04))
+    assert costs.plain_attention == (0.1, 0.1)
+    assert costs.plain([1024]) == pytest.approx(0.017 + 0.1)
+
+
 def test_the_entropy_rule_stops_drafting_where_a_draft_costs_a_row_and_drafts_where_it_is_free():
     """The measured case of docs/speculative.md: the same chat-like acceptance on two machines' prices."""
     tokens = tuple(range(1, 13))
@@ -260,6 +273,22 @@ def test_long_contexts_make_drafts_dear_where_a_verify_step_s_attention_grows_wi
     a = sure_and_right(0.1, hits=10, misses=20)
     assert entropy_width([4], [a], costs, [200]) > 1
     assert entropy_width([4], [a], costs, [4000]) == 1
+
+
+def test_the_plain_step_is_priced_by_the_kernel_it_runs_not_by_the_verify_forward_s_attention():
+    """Summarization at 4k tokens on this CPU: the verify forward's attention at width 1 costs about twice what the
+    plain step's kernel does. Priced by the verify kernel, a verify step that only breaks even looks like a gain."""
+    verify_priced = table(0.1, 0.002, attention=(0.04, 0.08))  # at width 1 / 12, over 1k tokens
+    plain_priced = replace(verify_priced, plain_contexts=(256, 4096), plain_attention=(0.005, 0.08))
+    assert plain_priced.plain([4096]) == pytest.approx(0.1 + 0.08)
+    assert verify_priced.plain([4096]) == pytest.approx(0.1 + 0.16)
+    # a width-1 verify (no plain step: logprobs, grammar, a GPU) keeps the verify forward's price
+    assert plain_priced.prices([4096], [1, 2])[0] == pytest.approx(0.1 + 0.16)
+    assert plain_priced.prices([4096], [1, 2], plain=True)[1] == pytest.approx(verify_priced.verify([4096], 2))
+    a = sure_and_right(0.3, hits=4, misses=8)
+    assert entropy_width([3], [a], verify_priced, [4096]) > 1
+    assert entropy_width([3], [a], plain_priced, [4096]) == 1
+    assert entropy_width([3], [a], plain_priced, [4096], plain=False) > 1
 
 
 def test_a_request_s_width_does_not_depend_on_what_the_server_served_before():

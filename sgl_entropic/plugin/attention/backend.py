@@ -30,10 +30,18 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sgl_entropic.config import ATTENTION_BACKEND as BACKEND_NAME, PruningConfig
-from sgl_entropic.crossover import CONTEXTS, crossover, load_timings, measure, save_timings, timings_file
+from sgl_entropic.crossover import (
+    CONTEXTS,
+    crossover,
+    load_timings,
+    measure,
+    plain_step_seconds,
+    save_timings,
+    timings_file,
+)
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.attention.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
-from sgl_entropic.plugin.attention.page_store import PageStore
+from sgl_entropic.plugin.attention.page_store import PageStore, full_context_layers
 from sgl_entropic.plugin.attention.self_check import run_self_check
 from sgl_entropic.plugin.attention.verify_attention import TreeVerifyAttnBackend
 from sgl_entropic.cpu import cpu_model
@@ -60,6 +68,7 @@ def timings_dir() -> Path:
 
 # the code whose speed the start-up probe times: a change to it is a new measurement
 TIMED_CODE = (
+    "crossover.py",
     "plugin/attention/backend.py",
     "plugin/attention/page_planner.py",
     "plugin/attention/page_store.py",
@@ -97,6 +106,7 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         self.planner = PagePlanner(model_runner, cfg)
         self.planner.group_tokens = CPU_GROUP_TOKENS
         self.probe = self._start_up(model_runner, cfg)
+        self.layers = full_context_layers(model_runner.model)[1]
         self.plan: Optional[StepPlan] = None
         self._dense_plan: Optional[StepPlan] = None
         self._batch = None
@@ -208,6 +218,21 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
 
         return step
 
+    def plain_step_attention(self) -> Optional[tuple[tuple[int, ...], tuple[float, ...]]]:
+        """One row's attention in a plain decode step, every layer, at each timed context, from the kept crossover
+        timings (the draft rule prices width 1 with it); None where they do not cover every context."""
+        probe = self.probe
+        found = plain_step_seconds(
+            probe.kernel_timings, probe.timings, probe.dense_kernel_from, self.planner.cfg.min_context
+        )
+        if found is None:
+            return None
+        # the timings cover the full-context layers; sliding-window ones run SGLang's loop, which reads the whole
+        # context and masks (TorchNativeAttnBackend._run_sdpa_forward_decode)
+        others = (self.layers - len(self.planner.full_layers)) / len(self.planner.full_layers)
+        loop = {t.context: t.dense_s for t in probe.kernel_timings}
+        return tuple(n for n, _ in found), tuple(s + others * loop[n] for n, s in found)
+
     # ------------------------------------------------------------------ per step, per layer
 
     def init_forward_metadata(self, forward_batch):
@@ -281,6 +306,11 @@ def create_backend(model_runner):
         backend = EntropicTorchNativeAttnBackend(model_runner, cfg)
     rt.pages = backend.planner.store  # the prompt-scoring hook (surprisal selector) writes into it
     rt.pruning_from, rt.probe = backend.planner.cfg.min_context, backend.probe
+    spec = rt.speculation  # the memory pools, and with them the draft rule's cost table, come first
+    if spec is not None and spec.plain_steps_served and spec.sizer.costs.measured:
+        from sgl_entropic.plugin.speculation.worker import with_plain_prices
+
+        spec.sizer.costs = with_plain_prices(spec.sizer.costs, backend)
     return backend
 
 

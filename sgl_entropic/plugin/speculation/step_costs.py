@@ -7,8 +7,9 @@ Timed at start-up, in the scheduler (`NGRAMWorker.alloc_memory_pool`, after the 
     count, the LM head, and one log-softmax over the vocabulary (the signal's pass), n on a grid to 256 tokens;
   - one row's attention over synthetic KV of the model's shape at a grid of contexts, at width 1 and the widest,
     through the verify forward's own attention (`verify_attention.tree_verify_attention`).
-Each the fastest of three after a warm-up. A model whose layers are not plain weight matrices (quantized) is
-not timed: the rule then verifies every draft offered, as SGLang's `matched` does, and says so at start-up.
+Each the fastest of passes over its grid, counting only passes the machine's other processes left alone (`crossover.fastest`). A model whose
+layers are not plain weight matrices (quantized) is not timed: the rule then verifies every draft offered, as
+SGLang's `matched` does, and says so at start-up.
 """
 
 from __future__ import annotations
@@ -17,37 +18,25 @@ import hashlib
 import json
 import logging
 import re
-import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from sgl_entropic.crossover import fastest
 from sgl_entropic.drafting import StepCosts
 
 logger = logging.getLogger("sgl_entropic")
 
 TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CONTEXTS = (256, 1024, 4096)
-TIMED_CODE = ("plugin/speculation/step_costs.py", "plugin/attention/verify_attention.py")
+TIMED_CODE = ("crossover.py", "plugin/speculation/step_costs.py", "plugin/attention/verify_attention.py")
 
 
 def costs_dir() -> Path:
     from sgl_entropic.model import cache_dir
 
     return cache_dir() / "step-costs"
-
-
-def _fastest(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 3) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _layers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], int]:
@@ -124,28 +113,29 @@ def measure(model_runner, max_width: int) -> Optional[StepCosts]:
 
         return run
 
-    gemm = tuple(layers * _fastest(forward(n), sync) + _fastest(head_pass(n), sync) for n in TOKENS)
+    timed = fastest([forward(n) for n in TOKENS] + [head_pass(n) for n in TOKENS], sync)
+    gemm = tuple(layers * f + h for f, h in zip(timed[: len(TOKENS)], timed[len(TOKENS) :]))
 
     config = model_runner.model_config
     heads_q = config.num_attention_heads // model_runner.server_args.tp_size
     k0 = model_runner.token_to_kv_pool.get_key_buffer(0)
     heads_kv, dim, dtype = k0.shape[1], k0.shape[2], k0.dtype
-    attention = []
-    for width in (1, max_width):
-        row = []
-        for n in CONTEXTS:
-            k, v = (torch.randn(n + width, heads_kv, dim, device=device).to(dtype) for _ in range(2))
-            q = torch.randn(width, heads_q, dim, device=device).to(model_runner.dtype)
-            rows = verify_rows(
-                torch.arange(n + width, device=device)[None],
-                torch.zeros(1, dtype=torch.long, device=device),
-                [n],
-                torch.ones(width, width, dtype=torch.bool, device=device).tril()[None],
-                torch.arange(n, n + width, device=device)[None],
-            )
-            row.append(layers * _fastest(lambda: tree_verify_attention(q, k, v, rows, dim**-0.5), sync))
-        attention.append(tuple(row))
-    return StepCosts(TOKENS, gemm, CONTEXTS, (1, max_width), (attention[0], attention[1]))
+
+    def verify_attention(width: int, n: int):
+        k, v = (torch.randn(n + width, heads_kv, dim, device=device).to(dtype) for _ in range(2))
+        q = torch.randn(width, heads_q, dim, device=device).to(model_runner.dtype)
+        rows = verify_rows(
+            torch.arange(n + width, device=device)[None],
+            torch.zeros(1, dtype=torch.long, device=device),
+            [n],
+            torch.ones(width, width, dtype=torch.bool, device=device).tril()[None],
+            torch.arange(n, n + width, device=device)[None],
+        )
+        return lambda: tree_verify_attention(q, k, v, rows, dim**-0.5)
+
+    timed = fastest([verify_attention(w, n) for w in (1, max_width) for n in CONTEXTS], sync)
+    narrow, wide = (tuple(layers * t for t in timed[i : i + len(CONTEXTS)]) for i in (0, len(CONTEXTS)))
+    return StepCosts(TOKENS, gemm, CONTEXTS, (1, max_width), (narrow, wide))
 
 
 def load_or_measure(model_runner, max_width: int) -> StepCosts:

@@ -1,7 +1,8 @@
 """SGLang's NGRAM speculative decoding under the loops: each decode step planned, in the scheduler process.
 
 Hooks on SGLang's NGRAM worker (`speculative/ngram_worker.py`):
-  - `alloc_memory_pool` (start-up): the draft rule's cost table, kept per machine (`step_costs.py`);
+  - `alloc_memory_pool` (start-up): the draft rule's cost table, kept per machine (`step_costs.py`); its plain
+    step is priced once the attention backend exists (`with_plain_prices`, from the backend's crossover timings);
   - `forward_batch_generation`: each decode step planned (the trie's drafts, the width the server's rule picks:
     `sgl_entropic.drafting.DraftSizer`); at width 1 the plain decode step (`plain_step`: what a server without
     speculation runs), else SGLang's verify step at that width, its output in SGLang's full-width layout;
@@ -14,7 +15,8 @@ Verification, lossless under the request's sampling and the controller, is `veri
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -27,6 +29,8 @@ from sgl_entropic.plugin.signal.traces import PendingRecord
 from sgl_entropic.plugin.speculation.drafts import RequestTries
 from sgl_entropic.plugin.speculation.step_costs import load_or_measure
 from sgl_entropic.plugin.step import Step, current_step
+
+logger = logging.getLogger("sgl_entropic")
 
 
 @dataclass
@@ -121,6 +125,23 @@ def after_alloc_memory_pool(result, worker, *args, **kwargs):
     plain = torch.device(worker.device).type == "cpu" and mambaish_config(worker.model_runner.model_config) is None
     rt.speculation = Speculation(DraftSizer(rule, width, costs), tries, plain, sampler=worker.model_runner.sampler)
     return result
+
+
+def with_plain_prices(costs: StepCosts, backend) -> StepCosts:
+    """The table with width 1 priced as the plain decode step runs: the attention backend's kernel at each context
+    (its kept crossover timings), not the verify forward's attention, which costs about twice as much at 4k tokens
+    on a CPU. Unchanged, and said, where the backend has no such timings (pruning off, a given crossover)."""
+    found = getattr(backend, "plain_step_attention", lambda: None)()
+    if found is None:
+        logger.info("sgl-entropic: plain decode steps priced with the verify forward's attention at width 1")
+        return costs
+    contexts, seconds = found
+    logger.info(
+        "sgl-entropic: plain decode steps priced with the attention backend's kernels: one row over %s tokens: %s ms",
+        "/".join(map(str, contexts)),
+        "/".join(f"{s * 1e3:.1f}" for s in seconds),
+    )
+    return replace(costs, plain_contexts=contexts, plain_attention=seconds)
 
 
 # ---------------------------------------------------------------------------------------------- hooks
