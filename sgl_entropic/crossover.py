@@ -108,13 +108,14 @@ def fastest(
     fns: Sequence[Callable[[], object]],
     sync: Callable[[], None] = lambda: None,
     settled: int = 3,
-    most: int = 20,
+    most: int = 6,
     others: Callable[[], float] = others_cpu,
 ) -> list[float]:
     """Each call's fastest time over passes through the whole list after one untimed pass, counting only quiet
     passes (the machine's other processes used under a tenth of a core meanwhile), until `settled` quiet passes,
-    at most `most` (then the fastest of every pass). At start-up SGLang's other processes load beside the scheduler
-    for seconds; timings taken inside that burst would be kept for the machine's life."""
+    at most `most` (then the fastest of every pass: a start beside other loading servers, as in a test run, must
+    not wait long). At start-up SGLang's other processes load beside the scheduler for seconds; timings taken inside
+    that burst would be kept for the machine's life."""
     quiet, loud = [float("inf")] * len(fns), [float("inf")] * len(fns)
     calm = 0
     for r in range(most + 1):
