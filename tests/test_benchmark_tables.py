@@ -33,3 +33,16 @@ def test_a_cell_whose_worst_round_is_below_0_95_is_marked_and_a_file_not_run_is_
     ]
     assert table[0]["tpot"] == [None, None, 40.0] and table[0]["x_stock"] == "1.20x (1.10-1.30)"
     assert "below target" in speculative_grid.markdown(table).splitlines()[4]  # doc at batch 4
+
+
+def test_a_long_essay_is_cut_at_line_breaks_into_parts_of_the_asked_size_counting_the_breaks():
+    from speculative_decoding import essay_parts
+
+    class Words:  # one token a word, one a line break: the count the parts are checked against
+        def encode(self, text):
+            return text.replace("\n", " \n ").split(" ")
+
+    lines = [" ".join(f"w{i}.{j}" for j in range(99)) for i in range(70)]  # 70 lines of 100 tokens with the break
+    parts = essay_parts("\n".join(lines), Words(), 2500)
+    assert [len(Words().encode(p)) for p in parts] == [2499, 2499]  # 25 lines each; the last 20 lines are too few
+    assert parts[0] == "\n".join(lines[:25]) and parts[1] == "\n".join(lines[25:50])
