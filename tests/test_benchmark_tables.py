@@ -46,3 +46,23 @@ def test_a_long_essay_is_cut_at_line_breaks_into_parts_of_the_asked_size_countin
     parts = essay_parts("\n".join(lines), Words(), 2500)
     assert [len(Words().encode(p)) for p in parts] == [2499, 2499]  # 25 lines each; the last 20 lines are too few
     assert parts[0] == "\n".join(lines[:25]) and parts[1] == "\n".join(lines[25:50])
+
+
+def test_widths_by_price_read_the_server_s_table_and_mark_where_the_plain_price_changes_the_width():
+    import width_by_price
+
+    t = {  # /server_info's table, ms: a plain step's attention half the verify forward's at width 1 from 4k tokens
+        "tokens": [1, 2, 4, 8, 16],
+        "gemm_ms": [20.0, 20.5, 21.0, 22.0, 24.0],
+        "contexts": [256, 1024, 4096],
+        "attention_widths": [1, 12],
+        "attention_ms": [[2.0, 8.0, 40.0], [4.0, 16.0, 80.0]],
+        "plain_contexts": [256, 1024, 4096],
+        "plain_attention_ms": [2.0, 8.0, 20.0],
+    }
+    cells = width_by_price.widths(t, rows=1, most=12)
+    short = [c for c in cells if c["context"] == 256]
+    assert all(c["before"] == c["now"] for c in short)  # the same price there: the same widths
+    long = [c for c in cells if c["context"] == 8000]
+    assert any(c["now"] < c["before"] for c in long) and all(c["now"] <= c["before"] for c in long)
+    assert "**" in width_by_price.markdown(cells)
