@@ -231,6 +231,38 @@ def _tail(path: Path, n: int = 4000) -> str:
 # ---------------------------------------------------------------------------- client
 
 
+def bench_client(
+    url: str, model: str, args: Sequence[str], out: Path, device: str = "cpu", timeout_s: float = 7200
+) -> dict:
+    """One run of SGLang's bench client (`python -m sglang.benchmark.serving`) against `url` with `args` (dataset,
+    load, backend): the JSON line it writes last to `out`, with its command under "client_command"; its output in
+    `out` with suffix .log. A client that fails or writes nothing is an error carrying its output's tail."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.benchmark.serving",
+        "--base-url",
+        url,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--output-file",
+        str(out),
+        *args,
+    ]
+    log = out.with_suffix(".log")
+    with open(log, "w") as fh:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=server_env(device, stock=True), timeout=timeout_s
+        )
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench client failed ({proc.returncode}); log {log}:\n{_tail(log, 3000)}")
+    result = json.loads(out.read_text().strip().splitlines()[-1])
+    result["client_command"] = cmd
+    return result
+
+
 def _session() -> requests.Session:
     s = requests.Session()
     s.trust_env = False  # loopback: never through a proxy from the environment

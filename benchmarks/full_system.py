@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -70,40 +68,23 @@ CONFIGS = ("stock", "sampling", "scheduling", "pruning", "full")
 
 def bench(url: str, model: str, workload: str, num_prompts: int, groups: int, seed: int) -> dict:
     """One run of SGLang's bench client; its JSON line."""
+    args = [
+        "--backend",
+        "sglang",
+        "--num-prompts",
+        str(num_prompts),
+        "--seed",
+        str(seed),
+        "--warmup-requests",
+        "1",
+        "--flush-cache",
+        "--disable-tqdm",
+        *WORKLOADS[workload],
+    ]
+    if workload == "shared-prefix":
+        args += ["--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(max(1, num_prompts // groups))]
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench.jsonl"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.benchmark.serving",
-            "--backend",
-            "sglang",
-            "--base-url",
-            url,
-            "--model",
-            model,
-            "--tokenizer",
-            model,
-            "--num-prompts",
-            str(num_prompts),
-            "--seed",
-            str(seed),
-            "--warmup-requests",
-            "1",
-            "--flush-cache",
-            "--disable-tqdm",
-            "--output-file",
-            str(out),
-            *WORKLOADS[workload],
-        ]
-        if workload == "shared-prefix":
-            cmd += ["--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(max(1, num_prompts // groups))]
-        run = subprocess.run(
-            cmd, cwd=common.ROOT, env=common.server_env("cpu", stock=True), capture_output=True, text=True, timeout=7200
-        )
-        if run.returncode != 0 or not out.exists():
-            raise RuntimeError(f"bench client failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-        result = json.loads(out.read_text().splitlines()[-1])
+        result = common.bench_client(url, model, args, Path(tmp) / "bench.jsonl")
     if result["completed"] < num_prompts:
         raise RuntimeError(f"{workload}: only {result['completed']} of {num_prompts} requests completed")
     return {k: result[k] for k in (*METRICS, "completed", "total_output_tokens", "duration")}

@@ -45,7 +45,6 @@ import json
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     LOG_DIR,
     RESULTS_DIR,
+    bench_client,
     bundled_model,
     chat,
     default_device,
@@ -257,38 +257,9 @@ def bench_args(workload: str, args, files: dict[str, Path]) -> list[str]:
 
 def run_bench(url: str, model: str, workload: str, args, files: dict[str, Path], tag: str) -> dict:
     out = LOG_DIR / f"bench-{tag}-{workload}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    port = url.rsplit(":", 1)[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.benchmark.serving",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        port,
-        "--model",
-        model,
-        "--tokenizer",
-        model,
-        "--output-file",
-        str(out),
-        *bench_args(workload, args, files),
-    ]
-    log = out.with_suffix(".log")
     t0 = time.monotonic()
-    with open(log, "w") as fh:
-        proc = subprocess.run(
-            cmd,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=server_env(args.device, stock=True),
-            timeout=args.bench_timeout,
-        )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {log}")
-    result = json.loads(out.read_text().strip().splitlines()[-1])
+    result = bench_client(url, model, bench_args(workload, args, files), out, args.device, args.bench_timeout)
     result["wall_s"] = time.monotonic() - t0
-    result["client_command"] = cmd
     # per-request lists and the server's 500-odd arguments stay in the client's file (the summary needs neither)
     return {k: v for k, v in result.items() if not isinstance(v, list) and k != "server_info"}
 

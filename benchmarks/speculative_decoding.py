@@ -57,7 +57,6 @@ import argparse
 import inspect
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -338,32 +337,7 @@ def bench_args(workload: str, files: dict, concurrency: int) -> list[str]:
 
 def run_bench(url: str, model: str, workload: str, concurrency: int, files: dict, tag: str) -> dict:
     out = common.LOG_DIR / f"bench-{tag}-{workload}-{concurrency}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    port = url.rsplit(":", 1)[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang.benchmark.serving",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        port,
-        "--model",
-        model,
-        "--tokenizer",
-        model,
-        "--output-file",
-        str(out),
-        *bench_args(workload, files, concurrency),
-    ]
-    with open(out.with_suffix(".log"), "w") as fh:
-        proc = subprocess.run(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=common.server_env("cpu", stock=True), timeout=7200
-        )
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(
-            f"bench client failed ({proc.returncode}) for {tag}/{workload}; log {out.with_suffix('.log')}"
-        )
-    r = json.loads(out.read_text().strip().splitlines()[-1])
+    r = common.bench_client(url, model, bench_args(workload, files, concurrency), out)
     keep = (
         "output_throughput",
         "median_e2e_latency_ms",
