@@ -22,7 +22,7 @@ FILES = (  # the runs with stock in fp32 (its best dtype here), ours and the def
     "speculative_agent_b4_b16.json",
     "speculative_default.json",
     "speculative_default_b16.json",
-    "speculative_summary.json",
+    "speculative_summary_priced.json",
     "speculative_random.json",
     "speculative_mix.json",
 )
