@@ -11,8 +11,13 @@ first):
             SGLang's source back with a docstring added: copying work). On `default` the three draft and the
             opted-out one rides their verify steps; on `ours` the same four requests decode without speculation.
 The opted-out request asks the same copying task: on `default` without the opt-out it would draft too.
+With `--essay`, the alone case only, over a summary of two essays (5-7k tokens: `speculative_decoding.py`'s
+`summary` prompts), where the entropy rule runs plain steps: their cost under speculation at a long context.
 
     .venv/bin/python benchmarks/request_opt_out.py        # 3 rounds, ~10 min on 2 cores
+    .venv/bin/python benchmarks/request_opt_out.py --essay   # docs/data/request_opt_out_essay.json
+With `--sync`, ours against ours with SGLang's overlap scheduler off (`--disable-overlap-schedule`), as SGLang runs
+every speculative server on CPU: how much of the opted-out request's cost on `default` that accounts for.
 """
 
 from __future__ import annotations
@@ -50,6 +55,21 @@ def prompts() -> list[str]:
     ]
 
 
+def essay_prompt(model: str) -> str:
+    """The first of `speculative_decoding.py`'s summary prompts, with the chat template applied."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from speculative_decoding import SUMMARY, doc_questions
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = doc_questions(Path(tmp) / "summary.jsonl", 7, AutoTokenizer.from_pretrained(model), 2, SUMMARY, True)
+        first = json.loads(path.read_text().splitlines()[0])
+    return common.chat(first["conversations"][0]["value"])
+
+
 def payload(text: str, opt_out: bool) -> dict:
     params = {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
     if opt_out:
@@ -80,22 +100,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each case per round (their median is kept)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--essay", action="store_true", help="the alone case over a 5-7k-token summary prompt")
+    ap.add_argument("--sync", action="store_true", help="ours against ours without the overlap scheduler")
     args = ap.parse_args()
     from sgl_entropic.model import prepare_bundled_model
 
     model = str(prepare_bundled_model())
-    texts = prompts()
+    texts = [essay_prompt(model)] if args.essay else prompts()
+    cases = ("alone",) if args.essay else ("alone", "mixed")
+    name = DATA + ("_essay" if args.essay else "") + ("_sync" if args.sync else "")
+    configs = ("ours", "ours-sync") if args.sync else CONFIGS
+    other = configs[1]  # what each round's opted-out request is compared with ours
     common_args = common.sglang_common_args(model, "cpu", args.dtype)
     runs = []
     for rnd in range(args.rounds):
-        order = CONFIGS[rnd % 2 :] + CONFIGS[: rnd % 2]
+        order = configs[rnd % len(configs) :] + configs[: rnd % len(configs)]
         for config in order:
             port = common.free_port()
-            extra = {"speculative": {"draft": "off"}} if config == "ours" else None
-            cmd = common.ours_command(port, common_args, "full", extra)
+            extra = {"speculative": {"draft": "off"}} if config.startswith("ours") else None
+            sync = ["--disable-overlap-schedule"] if config == "ours-sync" else []
+            cmd = common.ours_command(port, [*common_args, *sync], "full", extra)
             with common.start_server(config, cmd, port, common.server_env("cpu", stock=False)) as srv:
                 run_case(srv.url, texts[:1], False)  # warm-up
-                for case, batch in (("alone", texts[:1]), ("mixed", texts)):
+                for case, batch in (("alone", texts[:1]), ("mixed", texts))[: len(cases)]:
                     reps = [run_case(srv.url, batch, opt_out=config == "default") for _ in range(args.repeats)]
                     opted = common.median(r[0] for r in reps)
                     others = common.median(common.median(r[1:]) for r in reps) if len(batch) > 1 else None
@@ -107,15 +134,14 @@ def main() -> None:
                         + (f", the others {others:.1f}" if others else "")
                     )
     summary, rows = {}, []
-    for case in ("alone", "mixed"):
-        by = {c: {r["round"]: r for r in runs if (r["config"], r["case"]) == (c, case)} for c in CONFIGS}
-        ratio = [by["default"][k]["opted_out_ms"] / by["ours"][k]["opted_out_ms"] for k in by["ours"]]
+    for case in cases:
+        by = {c: {r["round"]: r for r in runs if (r["config"], r["case"]) == (c, case)} for c in configs}
         entry = {
             "ours_ms": spread([r["opted_out_ms"] for r in by["ours"].values()]),
-            "default_ms": spread([r["opted_out_ms"] for r in by["default"].values()]),
-            "opted_out_vs_ours": spread(ratio),
+            f"{other}_ms": spread([r["opted_out_ms"] for r in by[other].values()]),
+            "vs_ours": spread([by[other][k]["opted_out_ms"] / by["ours"][k]["opted_out_ms"] for k in by["ours"]]),
         }
-        if case == "mixed":
+        if case == "mixed" and "default" in by:
             entry["others_vs_ours"] = spread(
                 [by["default"][k]["others_ms"] / by["ours"][k]["others_ms"] for k in by["ours"]]
             )
@@ -124,8 +150,8 @@ def main() -> None:
             [
                 case,
                 cell(entry["ours_ms"]),
-                cell(entry["default_ms"]),
-                cell(entry["opted_out_vs_ours"], 2),
+                cell(entry[f"{other}_ms"]),
+                cell(entry["vs_ours"], 2),
                 cell(entry["others_vs_ours"], 2) if "others_vs_ours" in entry else "-",
             ]
         )
@@ -133,7 +159,7 @@ def main() -> None:
         [
             "case",
             "opted-out ms/token on ours",
-            "on default (opted out)",
+            "on ours without overlap" if args.sync else "on default (opted out)",
             "x ours (per round)",
             "the drafting requests, x ours",
         ],
@@ -141,7 +167,7 @@ def main() -> None:
     )
     print(text)
     common.write_json(
-        DATA,
+        name,
         {
             "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
             "environment": common.environment(),
@@ -151,7 +177,7 @@ def main() -> None:
             "runs": runs,
             "markdown": text,
         },
-        publish=DATA,
+        publish=name,
     )
 
 
