@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README command 2: set up, then run the tests (they start their own real servers).
-#   bash scripts/test.sh           the default tier: before every commit (19-21 min on 2 cores, docs/tests.md)
+#   bash scripts/test.sh           the default tier: before every commit (19-23 min on 2 cores, docs/tests.md)
 #   bash scripts/test.sh --slow    the slow tier: long load and benchmark-like tests
 #   bash scripts/test.sh --all     both tiers
 # Any other argument goes to pytest (e.g. -q, -k pattern, a test file). The 15 slowest tests are listed.
