@@ -41,7 +41,7 @@ from sgl_entropic.crossover import (
 )
 from sgl_entropic.plugin import runtime
 from sgl_entropic.plugin.attention.page_planner import UNMEASURED_MIN_CONTEXT, PagePlanner, Probe
-from sgl_entropic.plugin.attention.page_store import PageStore, full_context_layers
+from sgl_entropic.plugin.attention.page_store import PageStore
 from sgl_entropic.plugin.attention.self_check import run_self_check
 from sgl_entropic.plugin.attention.verify_attention import TreeVerifyAttnBackend
 from sgl_entropic.cpu import cpu_model
@@ -106,7 +106,6 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
         self.planner = PagePlanner(model_runner, cfg)
         self.planner.group_tokens = CPU_GROUP_TOKENS
         self.probe = self._start_up(model_runner, cfg)
-        self.layers = full_context_layers(model_runner.model)[1]
         self.plan: Optional[StepPlan] = None
         self._dense_plan: Optional[StepPlan] = None
         self._batch = None
@@ -229,7 +228,8 @@ class EntropicTorchNativeAttnBackend(TreeVerifyAttnBackend):
             return None
         # the timings cover the full-context layers; sliding-window ones run SGLang's loop, which reads the whole
         # context and masks (TorchNativeAttnBackend._run_sdpa_forward_decode)
-        others = (self.layers - len(self.planner.full_layers)) / len(self.planner.full_layers)
+        full = len(self.planner.full_layers)
+        others = (self.planner.attention_layers - full) / full
         loop = {t.context: t.dense_s for t in probe.kernel_timings}
         return tuple(n for n, _ in found), tuple(s + others * loop[n] for n, s in found)
 

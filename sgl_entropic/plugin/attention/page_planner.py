@@ -41,7 +41,7 @@ class PagePlanner:
         config = model_runner.model_config
         self.reference_entropy = cfg.reference_entropy or reference_entropy_for_vocab(config.vocab_size)
         # Only layers that attend the whole context prune; sliding-window ones run SGLang's code untouched.
-        self.full_layers, _ = full_context_layers(model_runner.model)
+        self.full_layers, self.attention_layers = full_context_layers(model_runner.model)
         sparse = [i for i in self.full_layers if i >= cfg.dense_layers]  # the first dense_layers read everything
         self.sparse_share = len(sparse) / max(1, len(self.full_layers))  # of the layers that read the context
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
