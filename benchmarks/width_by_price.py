@@ -33,18 +33,9 @@ def table(url: str) -> dict:
 
 
 def costs_of(t: dict) -> tuple[StepCosts, StepCosts]:
-    """(priced as before: width 1 by the verify forward, priced now) from `/server_info`'s table, in seconds."""
-    s = lambda xs: tuple(x / 1e3 for x in xs)  # noqa: E731
-    before = StepCosts(
-        tuple(t["tokens"]),
-        s(t["gemm_ms"]),
-        tuple(t["contexts"]),
-        tuple(t["attention_widths"]),
-        tuple(s(a) for a in t["attention_ms"]),
-    )
-    return before, replace(
-        before, plain_contexts=tuple(t["plain_contexts"]), plain_attention=s(t["plain_attention_ms"])
-    )
+    """(priced as before: width 1 by the verify forward, priced now) from `/server_info`'s table."""
+    now = StepCosts.from_table(t)
+    return replace(now, plain_contexts=(), plain_attention=()), now
 
 
 def widths(t: dict, rows: int, most: int) -> list[dict]:

@@ -187,6 +187,20 @@ class StepCosts:
             "plain_attention_ms": ms(self.plain_attention),
         }
 
+    @classmethod
+    def from_table(cls, table: dict) -> "StepCosts":
+        """The costs `table()` reported (milliseconds back to seconds)."""
+        s = lambda xs: tuple(x / 1e3 for x in xs)  # noqa: E731
+        return cls(
+            tuple(table["tokens"]),
+            s(table["gemm_ms"]),
+            tuple(table["contexts"]),
+            tuple(table["attention_widths"]),
+            tuple(s(a) for a in table["attention_ms"]),
+            tuple(table.get("plain_contexts", ())),
+            s(table.get("plain_attention_ms", ())),
+        )
+
 
 @dataclass
 class DraftHits:

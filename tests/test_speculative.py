@@ -394,3 +394,16 @@ def test_a_narrow_step_s_draft_input_merges_and_filters_with_full_width_ones():
     rows = narrow.accept_tokens.view(2, full)
     assert rows[0, :width].tolist() == list(range(width + 1, 2 * width + 1)) and rows[1].tolist() == [99] * full
     assert narrow.accept_lens.tolist() == [5, 1]
+
+
+def test_a_table_reported_in_server_info_reads_back_as_the_same_costs():
+    costs = replace(table(0.1, 0.002, attention=(0.02, 0.2)), plain_contexts=(256, 4096), plain_attention=(0.005, 0.04))
+    back = StepCosts.from_table(costs.table())
+    for field_ in ("tokens", "contexts", "widths", "plain_contexts"):
+        assert getattr(back, field_) == getattr(costs, field_)
+    for field_ in ("gemm", "plain_attention"):
+        assert getattr(back, field_) == pytest.approx(getattr(costs, field_), abs=1e-7)
+    assert [list(a) for a in back.attention] == [pytest.approx(a, abs=1e-7) for a in costs.attention]
+    assert back.prices([1000, 3000], [1, 4], plain=True) == pytest.approx(
+        costs.prices([1000, 3000], [1, 4], plain=True), abs=1e-6
+    )

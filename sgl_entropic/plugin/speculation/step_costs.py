@@ -7,9 +7,9 @@ Timed at start-up, in the scheduler (`NGRAMWorker.alloc_memory_pool`, after the 
     count, the LM head, and one log-softmax over the vocabulary (the signal's pass), n on a grid to 256 tokens;
   - one row's attention over synthetic KV of the model's shape at a grid of contexts, at width 1 and the widest,
     through the verify forward's own attention (`verify_attention.tree_verify_attention`).
-Each the fastest of passes over its grid, counting only passes the machine's other processes left alone (`crossover.fastest`). A model whose
-layers are not plain weight matrices (quantized) is not timed: the rule then verifies every draft offered, as
-SGLang's `matched` does, and says so at start-up.
+Each the fastest of passes over its grid, counting only passes the machine's other processes left alone
+(`crossover.fastest`). A model whose layers are not plain weight matrices (quantized) is not timed: the rule then
+verifies every draft offered, as SGLang's `matched` does, and says so at start-up.
 """
 
 from __future__ import annotations
